@@ -1,0 +1,205 @@
+"""The vLLM child: argv and environment from the config, its own process group, its output.
+
+vLLM is a tree (API server -> EngineCore -> Worker, plus a resource tracker).  Killing only the
+API server orphans the EngineCore with its memory, so every signal goes to the whole process
+group, and a stop is finished only when no process of the group is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import psutil
+
+from qwen4090.config import AUTO, Config, VllmConfig, read_secret
+from qwen4090.notify import child_environment
+
+# Environment we always give vLLM unless the config's [vllm.env] says otherwise.
+BASE_ENV = {
+    "VLLM_NO_USAGE_STATS": "1",  # no usage report from a server
+    "DO_NOT_TRACK": "1",
+    "PYTHONUNBUFFERED": "1",  # its log lines reach us (and journald) as they happen
+}
+CREDENTIAL_NAME = "api_key"  # systemd LoadCredential=api_key:/etc/qwen4090/api_key
+
+
+def render_argv(v: VllmConfig) -> list[str]:
+    """The vLLM command line for a config: a list, never a shell string, never a secret."""
+    argv = [*v.command, "--model", v.model, "--served-model-name", v.served_model_name,
+            "--host", v.host, "--port", str(v.port), "--dtype", v.dtype]
+    if v.quantization:
+        argv += ["--quantization", v.quantization]
+    for flag, value in (("--max-model-len", v.max_model_len),
+                        ("--max-num-seqs", v.max_num_seqs),
+                        ("--max-num-batched-tokens", v.max_num_batched_tokens)):
+        if value != AUTO:
+            argv += [flag, str(value)]
+    argv += ["--gpu-memory-utilization", f"{v.gpu_memory_utilization:g}",
+             "--kv-cache-dtype", v.kv_cache_dtype,
+             "--block-size", str(v.block_size),
+             "--enable-prefix-caching" if v.enable_prefix_caching
+             else "--no-enable-prefix-caching",
+             "--enable-chunked-prefill" if v.enable_chunked_prefill
+             else "--no-enable-chunked-prefill"]
+    if v.enforce_eager:
+        argv.append("--enforce-eager")
+    return argv + list(v.extra_args)
+
+
+def api_key_path(v: VllmConfig, env: Mapping[str, str]) -> str | None:
+    """The key file: the config's, else a systemd credential named api_key, else none."""
+    if v.api_key_file:
+        return v.api_key_file
+    creds = env.get("CREDENTIALS_DIRECTORY")
+    if creds and (Path(creds) / CREDENTIAL_NAME).is_file():
+        return str(Path(creds) / CREDENTIAL_NAME)
+    return None
+
+
+def read_api_key(v: VllmConfig, env: Mapping[str, str]) -> str | None:
+    path = api_key_path(v, env)
+    return read_secret(path) if path else None
+
+
+def render_env(v: VllmConfig, parent: Mapping[str, str], api_key: str | None) -> dict[str, str]:
+    env = child_environment(parent)
+    env.pop("CREDENTIALS_DIRECTORY", None)
+    env.update(BASE_ENV)
+    env.update(v.env)
+    if api_key:
+        env["VLLM_API_KEY"] = api_key  # vLLM reads it; it never appears in argv or our logs
+    else:
+        env.pop("VLLM_API_KEY", None)
+    return env
+
+
+LineSink = Callable[[str, str], None]  # (stream, line)
+
+
+class VllmChild:
+    """One running vLLM process tree."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], on_line: LineSink,
+                 tail_lines: int = 200, clock: Callable[[], float] = time.monotonic) -> None:
+        self.argv = argv
+        self.clock = clock
+        self.tail: deque[str] = deque(maxlen=tail_lines)
+        self.lines = 0
+        self.last_output = clock()
+        self.started = clock()
+        self._on_line = on_line
+        self._lock = threading.Lock()
+        self.proc = subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+        self.pid = self.proc.pid
+        self.pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
+        self._readers = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, "stdout"),
+                             name=f"vllm-stdout-{self.pid}", daemon=True),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, "stderr"),
+                             name=f"vllm-stderr-{self.pid}", daemon=True),
+        ]
+        for t in self._readers:
+            t.start()
+
+    def _pump(self, pipe: object, stream: str) -> None:
+        assert pipe is not None
+        for raw in iter(pipe.readline, b""):  # type: ignore[attr-defined]
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            if not line:
+                continue
+            with self._lock:
+                self.tail.append(line)
+                self.lines += 1
+                self.last_output = self.clock()
+            try:
+                self._on_line(stream, line)
+            except Exception:  # noqa: BLE001 - a logging problem must not stop the pump
+                pass
+        pipe.close()  # type: ignore[attr-defined]
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def tail_lines(self) -> list[str]:
+        with self._lock:
+            return list(self.tail)
+
+    def flush_output(self, timeout: float = 2.0) -> None:
+        """Wait (bounded) until the readers have seen the end of vLLM's output."""
+        for t in self._readers:
+            t.join(timeout)
+
+    def signal_group(self, sig: int) -> bool:
+        """Signal every process of the group; False when none is left."""
+        try:
+            os.killpg(self.pgid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    def group_members(self) -> list[int]:
+        """Live (non-zombie) pids of the group; reaps zombies that were re-parented to us."""
+        members = []
+        me = os.getpid()
+        for p in psutil.process_iter(["pid", "ppid", "status"]):
+            try:
+                if os.getpgid(p.info["pid"]) != self.pgid:
+                    continue
+            except (ProcessLookupError, PermissionError, OSError):
+                continue
+            if p.info["status"] == psutil.STATUS_ZOMBIE:
+                if p.info["ppid"] == me and p.info["pid"] != self.pid:
+                    with contextlib.suppress(ChildProcessError, OSError):
+                        os.waitpid(p.info["pid"], os.WNOHANG)
+                continue
+            members.append(p.info["pid"])
+        return members
+
+    def group_alive(self) -> bool:
+        self.poll()
+        return bool(self.group_members())
+
+    def engine_pids(self) -> list[int]:
+        """The EngineCore processes of this tree (vLLM names them with setproctitle)."""
+        out = []
+        for pid in self.group_members():
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(pid)
+                if "EngineCore" in p.name() or any("EngineCore" in a for a in p.cmdline()):
+                    out.append(pid)
+        return out
+
+
+def spawn(cfg: Config, on_line: LineSink, env: Mapping[str, str] | None = None,
+          clock: Callable[[], float] = time.monotonic) -> VllmChild:
+    env = os.environ if env is None else env
+    key = read_api_key(cfg.vllm, env)
+    return VllmChild(render_argv(cfg.vllm), render_env(cfg.vllm, env, key), on_line,
+                     tail_lines=cfg.log.tail_lines, clock=clock)
+
+
+def become_subreaper() -> bool:
+    """Orphans of vLLM's tree are re-parented to us (not PID 1), so we can see and reap them."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_CHILD_SUBREAPER = 36
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def group_signal_name(sig: int) -> str:
+    return signal.Signals(sig).name

@@ -1,0 +1,91 @@
+"""Logging setup (structlog): console on a terminal, one line per event under systemd.
+
+Under systemd each line starts with a ``<N>`` syslog priority (journald's SyslogLevelPrefix
+turns it into PRIORITY, so ``journalctl -p warning`` works) followed by key=value or JSON.
+Works with structlog 22.x (Debian 12) as well as current releases.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import MutableMapping
+from typing import Any, TextIO
+
+import structlog
+
+from qwen4090.policy import LEVELS
+
+PRIORITY = {"debug": 7, "info": 6, "warning": 4, "warn": 4, "error": 3, "critical": 2,
+            "exception": 3}
+
+
+def choose_format(fmt: str, stream: TextIO) -> str:
+    if fmt != "auto":
+        return fmt
+    try:
+        return "console" if stream.isatty() else "keyvalue"
+    except (AttributeError, ValueError):
+        return "keyvalue"
+
+
+class _Prefixed:
+    """Final renderer: ``<N>`` priority prefix, then key=value or JSON fields."""
+
+    def __init__(self, json_mode: bool) -> None:
+        self.json_mode = json_mode
+
+    def __call__(self, _logger: Any, method: str, event: MutableMapping[str, Any]) -> str:
+        level = str(event.pop("level", method))
+        prio = PRIORITY.get(level, 6)
+        if self.json_mode:
+            event["level"] = level
+            return f"<{prio}>" + json.dumps(event, default=str, separators=(",", ":"))
+        name = event.pop("event", "")
+        parts = [str(name)]
+        for key, value in event.items():
+            parts.append(f"{key}={_kv(value)}")
+        return f"<{prio}>" + " ".join(parts)
+
+
+def _kv(value: Any) -> str:
+    if isinstance(value, (int, float, bool)) or value is None:
+        return str(value)
+    s = str(value)
+    if s and not any(c in s for c in ' "=\n\t\\'):
+        return s
+    return json.dumps(s)
+
+
+def setup(fmt: str = "auto", level: str = "info", stream: TextIO | None = None) -> str:
+    """Configure structlog once for the process; return the format chosen."""
+    stream = stream or sys.stderr
+    fmt = choose_format(fmt, stream)
+    shared: list[Any] = [structlog.contextvars.merge_contextvars,
+                         structlog.processors.add_log_level]
+    if fmt == "console":
+        renderer: Any = structlog.dev.ConsoleRenderer(colors=stream.isatty())
+        shared.append(structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False))
+    else:
+        # journald stamps each line itself; JSON consumers still like a timestamp.
+        if fmt == "json":
+            shared.append(structlog.processors.TimeStamper(fmt="iso", utc=True))
+        renderer = _Prefixed(json_mode=(fmt == "json"))
+    structlog.configure(
+        processors=[*shared, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(_stdlib_level(level)),
+        logger_factory=structlog.PrintLoggerFactory(stream),
+        cache_logger_on_first_use=False,
+    )
+    return fmt
+
+
+def _stdlib_level(level: str) -> int:
+    return {10: logging.DEBUG, 20: logging.INFO, 30: logging.WARNING,
+            40: logging.ERROR, 50: logging.CRITICAL}[LEVELS.get(level, 20)]
+
+
+def get_logger(**bind: Any) -> Any:
+    return structlog.get_logger("qwen4090").bind(**bind) if bind else \
+        structlog.get_logger("qwen4090")

