@@ -1,0 +1,36 @@
+#!/bin/sh
+# Build dist/qwen4090_<version>_all.deb from the working tree (make deb).
+# The repo's top level stays as it is: this copies the sources and packaging/debian into
+# build/deb/qwen4090-<version>/ and runs dpkg-buildpackage there (debhelper + pybuild).
+# Needs: debhelper dh-python pybuild-plugin-pyproject python3-all python3-setuptools
+# (scripts/system-test.sh installs them). Prints the path of the .deb on its last line.
+set -eu
+cd "$(dirname "$0")/.."
+# Debian's python3 first: a pyenv/venv python3 on PATH breaks pybuild ("No module named build").
+export PATH=/usr/sbin:/usr/bin:/sbin:/bin
+VERSION=$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml)
+DEBVERSION=$(dpkg-parsechangelog -l packaging/debian/changelog -S Version)
+[ "$VERSION" = "$DEBVERSION" ] || {
+    echo "build-deb: pyproject.toml says $VERSION but packaging/debian/changelog says $DEBVERSION;" \
+         "add a changelog entry (dch -v $VERSION)" >&2; exit 1; }
+TREE=build/deb/qwen4090-$VERSION
+rm -rf build/deb
+mkdir -p "$TREE" dist
+docs=; [ -f docs/packaging.md ] && docs=docs/packaging.md
+tar -c --exclude=__pycache__ --exclude='*.egg-info' --exclude='*.pyc' \
+    pyproject.toml daemon etc tests packaging/man $docs $(ls README.md LICENSE 2>/dev/null) \
+    | tar -x -C "$TREE"
+cp -r packaging/debian "$TREE/debian"
+# README.md is pyproject's readme (setuptools needs it); keep the build going without one.
+[ -f "$TREE/README.md" ] || echo "qwen4090: see docs/packaging.md" >"$TREE/README.md"
+[ -f "$TREE/docs/packaging.md" ] || { mkdir -p "$TREE/docs"; echo "see qwen4090(8)" >"$TREE/docs/packaging.md"; }
+# The shipped config is generated from the code's defaults (a unit test keeps etc/ in sync).
+if [ ! -f "$TREE/etc/qwen4090/qwen4090.toml" ]; then
+    mkdir -p "$TREE/etc/qwen4090"
+    PYTHONPATH=daemon python3 -c 'from qwen4090.config import render_toml; print(render_toml(), end="")' \
+        >"$TREE/etc/qwen4090/qwen4090.toml"
+fi
+(cd "$TREE" && dpkg-buildpackage -us -uc -b) >build/deb/build.log 2>&1 || {
+    tail -40 build/deb/build.log >&2; echo "build-deb: dpkg-buildpackage failed, log: build/deb/build.log" >&2; exit 1; }
+cp "build/deb/qwen4090_${VERSION}_all.deb" dist/
+echo "dist/qwen4090_${VERSION}_all.deb"
