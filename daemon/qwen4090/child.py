@@ -40,12 +40,12 @@ def render_argv(v: VllmConfig) -> list[str]:
         argv += ["--quantization", v.quantization]
     for flag, value in (("--max-model-len", v.max_model_len),
                         ("--max-num-seqs", v.max_num_seqs),
-                        ("--max-num-batched-tokens", v.max_num_batched_tokens)):
+                        ("--max-num-batched-tokens", v.max_num_batched_tokens),
+                        ("--block-size", v.block_size)):
         if value != AUTO:
             argv += [flag, str(value)]
     argv += ["--gpu-memory-utilization", f"{v.gpu_memory_utilization:g}",
              "--kv-cache-dtype", v.kv_cache_dtype,
-             "--block-size", str(v.block_size),
              "--enable-prefix-caching" if v.enable_prefix_caching
              else "--no-enable-prefix-caching",
              "--enable-chunked-prefill" if v.enable_chunked_prefill
@@ -122,10 +122,9 @@ class VllmChild:
                 self.tail.append(line)
                 self.lines += 1
                 self.last_output = self.clock()
-            try:
+            # A logging problem must not stop the pump (vLLM would block on a full pipe).
+            with contextlib.suppress(Exception):
                 self._on_line(stream, line)
-            except Exception:  # noqa: BLE001 - a logging problem must not stop the pump
-                pass
         pipe.close()  # type: ignore[attr-defined]
 
     def poll(self) -> int | None:

@@ -77,7 +77,8 @@ class VllmConfig:
                               choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16"))
     enable_prefix_caching: bool = opt(True, "reuse KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = opt(True, "split long prompts so they do not stall others")
-    block_size: int = opt(16, "tokens per KV-cache block", choices=(8, 16, 32, 64, 128))
+    block_size: int | str = opt(AUTO, "tokens per KV-cache block (8..128), or \"auto\" for the "
+                                      "attention backend's choice (16 on CUDA)", min=8, max=128)
     enforce_eager: bool = opt(False, "skip CUDA graphs and torch.compile (slower, starts faster)")
     api_key_file: str = opt("", "file holding the API key clients must send; empty = no key; "
                                 "must not be group/world readable")
@@ -405,8 +406,9 @@ def read_secret(path: str) -> str:
     try:
         st = p.stat()
     except FileNotFoundError:
-        raise ConfigError(p, "vllm.api_key_file", "file not found; create it with the key "
-                                                  "(chmod 600) or set api_key_file = \"\"") from None
+        raise ConfigError(p, "vllm.api_key_file",
+                          "file not found; create it with the key (chmod 600) or set "
+                          "api_key_file = \"\"") from None
     except PermissionError:
         raise ConfigError(p, "vllm.api_key_file", "permission denied; make it readable by "
                                                   "the service user only (chmod 600)") from None

@@ -119,9 +119,16 @@ def _signame(num: int) -> str:
 
 
 _ERRORISH = re.compile(r"(Error|Exception|error:|Failed|failed)")
+_EXCEPTION_LINE = re.compile(r"^\s*[\w.]*(Error|Exception|Exit): ")
+# vLLM's wrappers that only point at the real cause printed before them.
+_POINTERS = ("root cause above", "stack trace above", "EngineDeadError")
 
 
 def _last_error(lines: list[str], default: str) -> str:
+    """The most telling error line: the last exception that is not a pointer to another."""
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line) and not any(p in line for p in _POINTERS):
+            return _clip(line)
     for line in reversed(lines):
         if _ERRORISH.search(line):
             return _clip(line)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import random
 import statistics
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from qwen4090.config import AUTO, Config
@@ -100,32 +100,51 @@ def run(cfg: Config, probe: VllmProbe, on_progress: Callable[[str], None] | None
     start = clock()
     deadline = start + w.timeout
     result = WarmupResult(ok=True, skipped=skipped)
-    with ThreadPoolExecutor(max_workers=max([s.concurrency for s in steps], default=1),
-                            thread_name_prefix="warmup") as pool:
-        for step in steps:
-            left = deadline - clock()
-            if left <= 0:
-                result.ok = False
-                result.error = f"warmup took longer than warmup.timeout ({w.timeout:g}s)"
-                break
-            t0 = clock()
-            prompts = [[rng.randrange(*TOKEN_ID_RANGE) for _ in range(step.length)]
-                       for _ in range(step.concurrency)]
-            timeout = min(w.request_timeout, left)
-            outs: list[CompletionResult] = list(pool.map(
-                lambda p, t=timeout: probe.complete(p, w.max_tokens, t), prompts))
-            bad = [o for o in outs if not o.ok]
-            if bad:
-                result.ok = False
-                result.error = (f"request of {step.length} tokens x{step.concurrency} failed: "
-                                f"{bad[0].error}")
-                break
-            ttfts = [o.ttft * 1000 for o in outs if o.ttft is not None]
-            row = WarmupRow(step.length, step.concurrency, statistics.median(ttfts), max(ttfts),
-                            clock() - t0)
-            result.rows.append(row)
-            if on_progress:
-                on_progress(f"{step.length} tokens x{step.concurrency}: "
-                            f"TTFT {row.ttft_ms:.0f} ms")
+    for step in steps:
+        left = deadline - clock()
+        if left <= 0:
+            result.ok = False
+            result.error = f"warmup took longer than warmup.timeout ({w.timeout:g}s)"
+            break
+        t0 = clock()
+        prompts = [[rng.randrange(*TOKEN_ID_RANGE) for _ in range(step.length)]
+                   for _ in range(step.concurrency)]
+        timeout = min(w.request_timeout, left)
+
+        def one(prompt: list[int], t: float = timeout) -> CompletionResult:
+            return probe.complete(prompt, w.max_tokens, t)
+
+        outs = _parallel(one, prompts, timeout + 5)
+        bad = [o for o in outs if not o.ok]
+        if bad:
+            result.ok = False
+            result.error = (f"request of {step.length} tokens x{step.concurrency} failed: "
+                            f"{bad[0].error}")
+            break
+        ttfts = [o.ttft * 1000 for o in outs if o.ttft is not None]
+        row = WarmupRow(step.length, step.concurrency, statistics.median(ttfts), max(ttfts),
+                        clock() - t0)
+        result.rows.append(row)
+        if on_progress:
+            on_progress(f"{step.length} tokens x{step.concurrency}: TTFT {row.ttft_ms:.0f} ms")
     result.seconds = clock() - start
     return result
+
+
+def _parallel(fn: Callable[[list[int]], CompletionResult], prompts: list[list[int]],
+              timeout: float) -> list[CompletionResult]:
+    """Run fn over prompts at once on daemon threads (never blocks the process's exit)."""
+    outs: list[CompletionResult | None] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        outs[i] = fn(prompts[i])
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True, name="warmup")
+               for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return [o if o is not None else CompletionResult(False, None, timeout, 0,
+                                                     f"no answer within {timeout:g}s")
+            for o in outs]

@@ -139,6 +139,10 @@ class VllmProbe:
                         chunk = json.loads(data)
                     except ValueError:
                         continue
+                    if isinstance(chunk.get("error"), dict):
+                        return CompletionResult(False, ttft, self.clock() - start, tokens,
+                                                "vLLM error in stream: "
+                                                + str(chunk["error"].get("message"))[:300])
                     for choice in chunk.get("choices") or []:
                         if choice.get("text") is not None:
                             tokens += 1

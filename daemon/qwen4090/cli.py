@@ -1,0 +1,221 @@
+"""The `qwen4090` command: the composition root that builds the real parts and hands them in.
+
+Only this module turns a fatal condition into an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from qwen4090 import __version__, logs
+from qwen4090 import config as config_mod
+from qwen4090.config import DEFAULT_CONFIG_PATH, Config, ConfigError
+from qwen4090.policy import EX_CONFIG, EX_SOFTWARE, EXIT_CODES, LEVELS, parse_vllm_line
+
+# Subcommands: name -> (help, add_arguments, run).  Other modules add theirs with `command`.
+Command = tuple[str, Callable[[argparse.ArgumentParser], None],
+                Callable[[argparse.Namespace], int]]
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, help: str) -> Callable[[Callable[[argparse.ArgumentParser], None]],
+                                              Callable[[Callable[[argparse.Namespace], int]],
+                                                       Callable[[argparse.Namespace], int]]]:
+    """Register a subcommand: @command(name, help)(add_arguments)(run)."""
+    def with_args(add: Callable[[argparse.ArgumentParser], None]) -> Any:
+        def with_run(run: Callable[[argparse.Namespace], int]) -> Any:
+            COMMANDS[name] = (help, add, run)
+            return run
+        return with_run
+    return with_args
+
+
+def _config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", default=os.environ.get("QWEN4090_CONFIG",
+                                                            str(DEFAULT_CONFIG_PATH)),
+                   help=f"main config file (default {DEFAULT_CONFIG_PATH}, or $QWEN4090_CONFIG);"
+                        " conf.d/*.toml beside it is merged in")
+
+
+def config_error(e: ConfigError) -> int:
+    print(f"qwen4090: config error: {e}", file=sys.stderr)
+    return EX_CONFIG
+
+
+# --- check-config -----------------------------------------------------------------------------
+
+
+@command("check-config", "validate the configuration (and the files it names); exit 0 or 78")(
+    _config_arg)
+def cmd_check_config(args: argparse.Namespace) -> int:
+    from qwen4090 import preflight
+    from qwen4090.child import render_argv
+    from qwen4090.warmup import plan_steps
+
+    try:
+        cfg = config_mod.load(args.config)
+    except ConfigError as e:
+        return config_error(e)
+    res = preflight.static(cfg)
+    if res.fatal is not None:
+        return config_error(res.fatal)
+    v = cfg.vllm
+    steps, skipped = plan_steps(cfg)
+    print(f"config ok: {', '.join(cfg.sources)}")
+    print(f"  model    {v.model} (served as {v.served_model_name}) on {v.host}:{v.port}")
+    print(f"  limits   max_model_len={v.max_model_len} max_num_seqs={v.max_num_seqs} "
+          f"max_num_batched_tokens={v.max_num_batched_tokens} "
+          f"gpu_memory_utilization={v.gpu_memory_utilization:g}")
+    print(f"  argv     {' '.join(render_argv(v))}")
+    key = "none" if not (v.api_key_file or os.environ.get("CREDENTIALS_DIRECTORY")) else \
+        (v.api_key_file or "systemd credential api_key")
+    print(f"  api key  {key}")
+    plan = ", ".join(f"{s.length}x{s.concurrency}" for s in steps)
+    print(f"  warmup   {plan if cfg.warmup.enabled else 'off'}")
+    for s in skipped:
+        print(f"  note     warmup skips {s}")
+    for w in res.warnings:
+        print(f"  warning  {w}")
+    return 0
+
+
+# --- run --------------------------------------------------------------------------------------
+
+
+class ThreadRunner:
+    """Runs each task on its own daemon thread: a stuck probe can never block our exit."""
+
+    def __init__(self, on_done: Callable[[], None]) -> None:
+        self.on_done = on_done
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+
+        def work() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:
+                fut.set_exception(e)
+            self.on_done()
+
+        threading.Thread(target=work, name="qwen4090-task", daemon=True).start()
+        return fut
+
+
+@command("run", "run the daemon in the foreground (what systemd's ExecStart runs)")(_config_arg)
+def cmd_run(args: argparse.Namespace) -> int:
+    from qwen4090 import child, preflight, signals, warmup
+    from qwen4090.notify import Notifier
+    from qwen4090.probes.http import VllmProbe
+    from qwen4090.supervisor import Parts, Supervisor
+
+    try:
+        cfg = config_mod.load(args.config)
+    except ConfigError as e:
+        logs.setup("auto", "info")
+        logs.get_logger().error("config_error", error=str(e))
+        return EX_CONFIG
+    logs.setup(cfg.log.format, cfg.log.level)
+    log = logs.get_logger()
+    log.info("starting", version=__version__, config=",".join(cfg.sources), pid=os.getpid())
+    child.become_subreaper()
+    wake = signals.Wakeup()
+    notifier = Notifier(on_error=lambda msg: log.warning("notify_failed", error=msg))
+    holder: dict[str, Supervisor] = {}
+    vlog = logs.get_logger(source="vllm")
+
+    def on_line(stream: str, line: str) -> None:
+        parsed = parse_vllm_line(line, stream)
+        sup = holder.get("sup")
+        threshold = sup.cfg.log.vllm_level if sup else "info"
+        if LEVELS[parsed.level] < LEVELS[threshold]:
+            return
+        fields = {"proc": parsed.proc} if parsed.proc else {}
+        getattr(vlog, parsed.level if parsed.level != "critical" else "critical")(
+            parsed.message, **fields)
+
+    def make_probe(c: Config) -> VllmProbe:
+        return VllmProbe(c.vllm.host, c.vllm.port, c.vllm.served_model_name,
+                         child.read_api_key(c.vllm, os.environ))
+
+    parts = Parts(
+        spawn=lambda c: child.spawn(c, on_line),
+        make_probe=make_probe,
+        preflight=preflight.full,
+        warmup=warmup.run,  # type: ignore[arg-type]
+        load_config=lambda: config_mod.load(args.config),
+        notifier=notifier,
+        executor=ThreadRunner(wake.wake),
+        log=log,
+    )
+    sup = Supervisor(cfg, parts)
+    holder["sup"] = sup
+    signals.install(sup.deliver, wake)
+    try:
+        while not sup.done:
+            sup.step()
+            wake.wait(sup.next_wakeup(time.monotonic()))
+    except Exception as e:
+        log.critical("internal_error", error=repr(e))
+        if sup.child is not None:
+            import signal as _signal
+
+            sup.child.signal_group(_signal.SIGKILL)
+        return EX_SOFTWARE
+    finally:
+        signals.restore()
+    code = sup.exit_code if sup.exit_code is not None else EX_SOFTWARE
+    log.info("exiting", exit_code=code, state=sup.state.value)
+    return code
+
+
+# --- main -------------------------------------------------------------------------------------
+
+
+def _load_plugins() -> None:
+    """Modules that register more subcommands (each optional until it exists)."""
+    import importlib
+
+    for name in ("qwen4090.provision", "qwen4090.plan", "qwen4090.statuscmd",
+                 "qwen4090.bench"):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    _load_plugins()
+    codes = "\n".join(f"  {code:>3}  {text}" for code, text in EXIT_CODES.items())
+    parser = argparse.ArgumentParser(
+        prog="qwen4090",
+        description="Run vLLM as a reliable OpenAI-compatible endpoint under systemd.",
+        epilog=f"exit codes:\n{codes}",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"qwen4090 {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_text, add, _run) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=f"exit codes:\n"
+                           f"{codes}", formatter_class=argparse.RawDescriptionHelpFormatter)
+        add(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    _help, _add, run = COMMANDS[args.command]
+    return run(args)

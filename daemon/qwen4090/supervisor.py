@@ -1,0 +1,743 @@
+"""The supervisor: owns the state and the loop; the only code that changes state.
+
+The loop is steppable: :meth:`Supervisor.step` takes ``now`` and does one pass of named steps
+(signals, harvest finished probes, reap the child, the current state's step, heartbeat), so
+unit tests drive it with a fake clock and fake parts.  Everything that touches processes, HTTP
+or systemd comes in through :class:`Parts`; blocking work (probes, warmup) runs on an executor
+and its results are harvested here, so a slow vLLM never blocks signals or the watchdog.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from qwen4090 import states
+from qwen4090.config import AUTO, Config, ConfigError, changed_sections
+from qwen4090.policy import (
+    EX_CONFIG,
+    EX_OK,
+    EX_TEMPFAIL,
+    NOT_FAILURES,
+    Cause,
+    ExitVerdict,
+    HangDetector,
+    Progress,
+    RestartBudget,
+    backoff_delay,
+    classify_exit,
+)
+from qwen4090.preflight import PreflightResult
+from qwen4090.probes.http import (
+    RUNNING,
+    WAITING,
+    CompletionResult,
+    HealthResult,
+    MetricsResult,
+    progress_counter,
+)
+from qwen4090.states import State
+from qwen4090.warmup import WarmupResult
+
+S = State
+
+# How often the loop looks at a starting server, and how far EXTEND_TIMEOUT_USEC reaches.
+LOAD_POLL_INTERVAL = 1.0
+STOP_POLL_INTERVAL = 0.5
+EXTEND_EVERY = 10.0
+EXTEND_BY = 60.0
+PROGRESS_WINDOW = 120.0  # output or warmup steps within this long count as "making progress"
+KILL_WAIT = 30.0  # after SIGKILL, how long we wait for the group before saying who survived
+
+
+# --- the parts the supervisor drives (real ones are built in cli.py) ------------------------
+
+
+class ChildLike(Protocol):
+    pid: int
+    lines: int
+    last_output: float
+
+    def poll(self) -> int | None: ...
+    def tail_lines(self) -> list[str]: ...
+    def flush_output(self, timeout: float = ...) -> None: ...
+    def signal_group(self, sig: int) -> bool: ...
+    def group_alive(self) -> bool: ...
+    def group_members(self) -> list[int]: ...
+
+
+class ProbeLike(Protocol):
+    def health(self, timeout: float) -> HealthResult: ...
+    def metrics(self, timeout: float) -> MetricsResult: ...
+    def complete(self, prompt: Sequence[int] | str, max_tokens: int, timeout: float
+                 ) -> CompletionResult: ...
+
+
+class NotifierLike(Protocol):
+    watchdog_interval: float | None
+
+    def ready(self, status: str) -> bool: ...
+    def status(self, status: str) -> bool: ...
+    def watchdog(self) -> bool: ...
+    def extend_timeout(self, seconds: float) -> bool: ...
+    def stopping(self, status: str) -> bool: ...
+    def reloading(self) -> bool: ...
+
+
+class ExecutorLike(Protocol):
+    def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future[Any]: ...
+
+
+@dataclass
+class Parts:
+    spawn: Callable[[Config], ChildLike]
+    make_probe: Callable[[Config], ProbeLike]
+    preflight: Callable[[Config], PreflightResult]
+    warmup: Callable[[Config, ProbeLike, Callable[[str], None]], WarmupResult]
+    load_config: Callable[[], Config]
+    notifier: NotifierLike
+    executor: ExecutorLike
+    log: Any  # a structlog-style logger: .info(event, **fields), .warning, .error
+    clock: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+    rand: random.Random = field(default_factory=random.Random)
+    # Called with (event, fields) on transitions, restarts and warmups (metrics, status page).
+    listeners: list[Callable[[str, dict[str, Any]], None]] = field(default_factory=list)
+
+
+@dataclass
+class RestartRecord:
+    wall_time: float
+    cause: str
+    detail: str
+    counted: bool
+
+
+@dataclass
+class _Task:
+    kind: str
+    generation: int
+    started: float
+    future: Future[Any]
+
+
+class Supervisor:
+    def __init__(self, cfg: Config, parts: Parts) -> None:
+        self.cfg = cfg
+        self.p = parts
+        self.log = parts.log
+        now = parts.clock()
+        self.state = S.PREFLIGHT
+        self.state_since = now
+        self.state_reason = "start"
+        self.exit_code: int | None = None
+        self.child: ChildLike | None = None
+        self.probe: ProbeLike | None = None
+        self.generation = 0  # one per vLLM process; stale probe results are dropped
+        self.spawned_at = now
+        self.restarts = 0
+        self.history: deque[RestartRecord] = deque(maxlen=50)
+        self.budget = RestartBudget(cfg.restart.budget_failures, cfg.restart.budget_window)
+        self.consecutive = 0
+        self.failure: ExitVerdict | None = None
+        self.requested: Cause | None = None  # why we are stopping the child ourselves
+        self.restart_at: float | None = None
+        self.kill_at: float | None = None
+        self.killed_at: float | None = None
+        self.ready_notified = False
+        self.ready_since: float | None = None
+        self.warmup: WarmupResult | None = None
+        self.warmup_progress = ""
+        self.last_warmup_step = now
+        self.hang = HangDetector(cfg.watch.hang_timeout)
+        self.unhealthy_since: float | None = None
+        self.last_metrics: MetricsResult | None = None
+        self.next_poll = now
+        self.next_canary = now + cfg.watch.canary_interval
+        self.tasks: dict[str, _Task] = {}
+        self.signals: deque[int] = deque()
+        self.stop_phase: str | None = None  # drain -> term
+        self.drain_deadline = now
+        self.last_watchdog = -1e18
+        self.last_extend = -1e18
+        self.last_status = ""
+
+    # --- public surface ------------------------------------------------------------------
+
+    def deliver(self, signum: int) -> None:
+        """Queue a signal (called from the signal handler: only an append)."""
+        self.signals.append(signum)
+
+    @property
+    def done(self) -> bool:
+        return self.state in states.FINAL_STATES
+
+    def next_wakeup(self, now: float) -> float:
+        """Seconds the loop may sleep before the next step is due."""
+        if self.state in (S.RESTARTING, S.STOPPING, S.STARTING, S.LOADING):
+            return 0.2
+        return 0.5
+
+    def step(self, now: float | None = None) -> None:
+        now = self.p.clock() if now is None else now
+        self.handle_signals(now)
+        self.harvest(now)
+        self.reap(now)
+        getattr(self, f"step_{self.state.value}")(now)
+        self.heartbeat(now)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Facts for status output (JSON-friendly)."""
+        now = self.p.clock()
+        v = self.cfg.vllm
+        return {
+            "state": self.state.value,
+            "state_reason": self.state_reason,
+            "state_seconds": round(now - self.state_since, 3),
+            "child_pid": self.child.pid if self.child else None,
+            "restarts": self.restarts,
+            "failures_in_window": self.budget.count(now),
+            "history": [r.__dict__ for r in self.history],
+            "model": v.served_model_name,
+            "max_model_len": v.max_model_len,
+            "max_num_seqs": v.max_num_seqs,
+            "warmup": None if self.warmup is None else {
+                "ok": self.warmup.ok, "seconds": round(self.warmup.seconds, 3),
+                "rows": [r.__dict__ for r in self.warmup.rows], "error": self.warmup.error},
+            "status": self.last_status,
+        }
+
+    # --- loop steps ------------------------------------------------------------------------
+
+    def handle_signals(self, now: float) -> None:
+        while self.signals:
+            signum = self.signals.popleft()
+            if signum in (signal.SIGTERM, signal.SIGINT):
+                self.handle_stop(now, signal.Signals(signum).name)
+            elif signum == signal.SIGHUP:
+                self.handle_reload(now)
+
+    def handle_stop(self, now: float, why: str) -> None:
+        if self.done:
+            return
+        if self.state == S.STOPPING:
+            # A second request: no more draining.
+            if self.stop_phase == "drain":
+                self.log.warning("drain_skipped", reason=f"second {why}")
+                self.begin_kill(now)
+                self.stop_phase = "term"
+            return
+        serving = self.state in states.SERVING_STATES
+        self.notify_stopping(f"stopping: {why}")
+        self.transition(now, S.STOPPING, why)
+        self.cancel_tasks()
+        if self.child is None:
+            return
+        if serving and self.cfg.stop.drain_timeout > 0:
+            self.stop_phase = "drain"
+            self.drain_deadline = now + self.cfg.stop.drain_timeout
+            self.next_poll = now
+        else:
+            self.stop_phase = "term"
+            self.begin_kill(now)
+
+    def handle_reload(self, now: float) -> None:
+        if self.done or self.state == S.STOPPING:
+            return
+        self.p.notifier.reloading()
+        try:
+            new = self.p.load_config()
+        except ConfigError as e:
+            self.log.error("reload_refused", error=str(e), keeping=",".join(self.cfg.sources))
+            self.p.notifier.ready(self.status_line(now, note="reload refused: " + str(e)))
+            return
+        changed = changed_sections(self.cfg, new)
+        old = self.cfg
+        self.cfg = new
+        self.budget.reconfigure(new.restart.budget_failures, new.restart.budget_window)
+        self.hang.hang_timeout = new.watch.hang_timeout
+        self.log.info("reloaded", changed=",".join(changed) or "nothing",
+                      files=",".join(new.sources))
+        self.emit("reloaded", {"changed": changed})
+        if "vllm" in changed and self.state in states.CHILD_STATES:
+            self.log.warning("restart_for_reload", reason="[vllm] settings changed",
+                             old_argv_len=len(old.vllm.command))
+            self.fail(now, ExitVerdict(Cause.RELOAD, "[vllm] settings changed", True),
+                      requested=True)
+        # Type=notify reload protocol: READY=1 ends the reload (the restart, if any, goes on).
+        self.p.notifier.ready(self.status_line(now))
+
+    def harvest(self, now: float) -> None:
+        for kind in list(self.tasks):
+            task = self.tasks[kind]
+            if not task.future.done():
+                continue
+            del self.tasks[kind]
+            if task.generation != self.generation:
+                continue  # a result about a vLLM process that is gone
+            try:
+                result = task.future.result()
+            except Exception as e:
+                self.log.error("probe_crashed", kind=kind, error=repr(e))
+                continue
+            getattr(self, f"on_{kind}")(now, result)
+
+    def reap(self, now: float) -> None:
+        if self.child is None or self.state not in states.CHILD_STATES:
+            return
+        rc = self.child.poll()
+        if rc is None:
+            return
+        self.child.flush_output(2.0)
+        verdict = classify_exit(rc, self.child.tail_lines())
+        self.log.warning("child_exited", pid=self.child.pid, code=rc, cause=verdict.cause.value,
+                         detail=verdict.detail)
+        self.fail(now, verdict)
+
+    def heartbeat(self, now: float) -> None:
+        n = self.p.notifier
+        if n.watchdog_interval and now - self.last_watchdog >= n.watchdog_interval:
+            n.watchdog()
+            self.last_watchdog = now
+        # Before the first READY=1 (and while stopping), systemd's timeouts run: extend them
+        # for as long as vLLM makes visible progress.
+        starting = not self.ready_notified and self.state in (
+            S.PREFLIGHT, S.STARTING, S.LOADING, S.WARMING, S.RESTARTING)
+        if (starting or self.state == S.STOPPING) and now - self.last_extend >= EXTEND_EVERY \
+                and self.making_progress(now):
+            n.extend_timeout(EXTEND_BY)
+            self.last_extend = now
+        status = self.status_line(now)
+        if status != self.last_status:
+            n.status(status)
+            self.last_status = status
+
+    def making_progress(self, now: float) -> bool:
+        if self.state in (S.PREFLIGHT, S.RESTARTING, S.STOPPING):
+            return True  # bounded by our own timers
+        if self.state == S.WARMING:
+            return now - self.last_warmup_step < PROGRESS_WINDOW
+        return self.child is not None and now - self.child.last_output < PROGRESS_WINDOW
+
+    # --- per-state steps -----------------------------------------------------------------
+
+    def step_preflight(self, now: float) -> None:
+        res = self.p.preflight(self.cfg)
+        for w in res.warnings:
+            self.log.warning("preflight_warning", detail=w)
+        if res.fatal is not None:
+            self.give_up(now, EX_CONFIG, str(res.fatal), error=res.fatal)
+            return
+        if res.transient is not None:
+            self.fail(now, ExitVerdict(Cause.PREFLIGHT, res.transient, True))
+            return
+        try:
+            child = self.p.spawn(self.cfg)
+        except ConfigError as e:
+            self.give_up(now, EX_CONFIG, str(e), error=e)
+            return
+        except OSError as e:
+            err = ConfigError(self.cfg.sources[0] if self.cfg.sources else None,
+                              "vllm.command", f"cannot start {self.cfg.vllm.command[0]}: "
+                                              f"{e.strerror or e}")
+            self.give_up(now, EX_CONFIG, str(err), error=err)
+            return
+        self.child = child
+        self.generation += 1
+        self.spawned_at = now
+        self.probe = self.p.make_probe(self.cfg)
+        self.hang.reset()
+        self.unhealthy_since = None
+        self.requested = None
+        self.failure = None
+        self.next_poll = now
+        self.log.info("child_spawned", pid=child.pid, argv=" ".join(self.safe_argv()))
+        self.transition(now, S.STARTING, "spawned")
+
+    def step_starting(self, now: float) -> None:
+        assert self.child is not None
+        if self.child.lines > 0:
+            self.transition(now, S.LOADING, "vLLM is loading")
+        else:
+            self.check_load_timeout(now)
+
+    def step_loading(self, now: float) -> None:
+        if self.check_load_timeout(now):
+            return
+        if now >= self.next_poll and "health" not in self.tasks:
+            self.submit(now, "health", _health_job(self._probe(), self.cfg.watch.health_timeout))
+            self.next_poll = now + LOAD_POLL_INTERVAL
+
+    def check_load_timeout(self, now: float) -> bool:
+        limit = self.cfg.watch.load_timeout
+        if now - self.spawned_at > limit:
+            self.fail(now, ExitVerdict(Cause.LOAD_TIMEOUT, f"/health not 200 within {limit:g}s "
+                                                           "(watch.load_timeout)", True),
+                      requested=True)
+            return True
+        return False
+
+    def on_health(self, now: float, res: HealthResult) -> None:
+        if self.state == S.LOADING:
+            if res.ok:
+                self.log.info("health_ok", seconds_since_launch=round(now - self.spawned_at, 1))
+                self.begin_warmup(now)
+            return
+
+    def begin_warmup(self, now: float) -> None:
+        self.transition(now, S.WARMING, "/health answered 200")
+        if not self.cfg.warmup.enabled:
+            self.warmup = None
+            self.become_ready(now, "warmup disabled")
+            return
+        self.last_warmup_step = now
+        self.warmup_progress = ""
+        cfg, probe = self.cfg, self.probe
+
+        def progress(msg: str) -> None:
+            # Runs on the warmup thread: plain assignments only.
+            self.warmup_progress = msg
+            self.last_warmup_step = self.p.clock()
+
+        self.submit(now, "warmup", lambda: self.p.warmup(cfg, probe, progress))  # type: ignore[arg-type]
+
+    def step_warming(self, now: float) -> None:
+        w = self.cfg.warmup
+        limit = w.timeout + w.request_timeout
+        if "warmup" in self.tasks and now - self.state_since > limit:
+            self.fail(now, ExitVerdict(Cause.WARMUP_FAILED, f"warmup overran {limit:g}s", True),
+                      requested=True)
+
+    def on_warmup(self, now: float, res: WarmupResult) -> None:
+        if self.state != S.WARMING:
+            return
+        self.warmup = res
+        if not res.ok:
+            self.log.error("warmup_failed", error=res.error, seconds=round(res.seconds, 1))
+            self.fail(now, ExitVerdict(Cause.WARMUP_FAILED, res.error, True), requested=True)
+            return
+        self.log.info("warmup_finished", seconds=round(res.seconds, 2), table=res.table(),
+                      skipped="; ".join(res.skipped) or "none")
+        self.emit("warmup", {"result": res})
+        self.become_ready(now, "warmed up")
+
+    def become_ready(self, now: float, why: str) -> None:
+        self.transition(now, S.READY, why)
+        self.ready_since = now
+        self.unhealthy_since = None
+        self.next_poll = now + self.cfg.watch.poll_interval
+        self.next_canary = now + self.cfg.watch.canary_interval
+        status = self.status_line(now)
+        if not self.ready_notified:
+            self.p.notifier.ready(status)
+            self.ready_notified = True
+            self.log.info("ready_notified", seconds_since_launch=round(now - self.spawned_at, 1))
+        self.last_status = status
+
+    def step_ready(self, now: float) -> None:
+        w = self.cfg.watch
+        if self.consecutive and self.ready_since is not None \
+                and now - self.ready_since >= self.cfg.restart.stable_after:
+            self.log.info("stable", seconds=round(now - self.ready_since), backoff_reset=True)
+            self.consecutive = 0
+        if now >= self.next_poll and "poll" not in self.tasks:
+            self.submit(now, "poll", _poll_job(self._probe(), w.health_timeout))
+            self.next_poll = now + w.poll_interval
+        if w.canary_interval > 0 and now >= self.next_canary and "canary" not in self.tasks \
+                and not (self.last_metrics and self._busy(self.last_metrics)):
+            self.submit(now, "canary", _canary_job(self._probe(), w.canary_timeout))
+            self.next_canary = now + w.canary_interval
+        canary = self.tasks.get("canary")
+        if canary is not None and now - canary.started > w.canary_timeout + 5:
+            self.fail(now, ExitVerdict(Cause.CANARY, f"canary request stuck for "
+                                                     f"{now - canary.started:.0f}s", True),
+                      requested=True)
+
+    step_degraded = step_ready
+
+    def on_poll(self, now: float, res: tuple[HealthResult, MetricsResult]) -> None:
+        if self.state not in states.SERVING_STATES:
+            return
+        health, metrics = res
+        w = self.cfg.watch
+        if health.ok:
+            if self.unhealthy_since is not None:
+                self.log.info("health_recovered", after=round(now - self.unhealthy_since, 1))
+            self.unhealthy_since = None
+        else:
+            if self.unhealthy_since is None:
+                self.unhealthy_since = now
+                self.log.warning("health_failed", error=health.error)
+            if self.state == S.READY:
+                self.transition(now, S.DEGRADED, f"/health: {health.error}")
+            if now - self.unhealthy_since >= w.unhealthy_timeout:
+                self.fail(now, ExitVerdict(Cause.UNHEALTHY, f"/health failing for "
+                                                            f"{now - self.unhealthy_since:.0f}s: "
+                                                            f"{health.error}", True),
+                          requested=True)
+                return
+        stalled = 0.0
+        if metrics.ok:
+            self.last_metrics = metrics
+            prog = Progress(metrics.get(RUNNING), metrics.get(WAITING), progress_counter(metrics))
+            stalled = self.hang.observe(now, prog)
+            if stalled >= w.hang_timeout:
+                self.log.error("hang_detected", stalled_seconds=round(stalled, 1),
+                               running=prog.running, waiting=prog.waiting)
+                self.emit("hang", {"stalled": stalled})
+                self.fail(now, ExitVerdict(Cause.HANG, f"{prog.running:g} running, "
+                                                       f"{prog.waiting:g} waiting, no token "
+                                                       f"progress for {stalled:.0f}s", True),
+                          requested=True)
+                return
+            if self.state == S.READY and stalled >= 2 * w.poll_interval:
+                self.transition(now, S.DEGRADED, f"no token progress for {stalled:.0f}s")
+                return
+        if self.state == S.DEGRADED and health.ok and stalled == 0:
+            self.transition(now, S.READY, "healthy again")
+
+    def on_canary(self, now: float, res: CompletionResult) -> None:
+        if self.state not in states.SERVING_STATES:
+            return
+        if res.ok:
+            self.log.debug("canary_ok", ms=round(res.seconds * 1000, 1))
+            return
+        self.log.error("canary_failed", error=res.error)
+        self.fail(now, ExitVerdict(Cause.CANARY, f"canary: {res.error}", True), requested=True)
+
+    def step_restarting(self, now: float) -> None:
+        if self.child is not None:
+            if not self.reap_group(now):
+                return
+            self.child = None
+            self.after_child_gone(now)
+            return
+        if self.restart_at is not None and now >= self.restart_at:
+            self.restart_at = None
+            self.transition(now, S.PREFLIGHT, f"restart {self.restarts}")
+
+    def after_child_gone(self, now: float) -> None:
+        v = self.failure
+        assert v is not None
+        counted = v.cause not in NOT_FAILURES
+        self.restarts += 1
+        self.history.append(RestartRecord(self.p.wall(), v.cause.value, v.detail, counted))
+        if counted:
+            self.budget.record(now)
+            self.consecutive += 1
+        self.emit("restart", {"cause": v.cause.value, "counted": counted})
+        if not v.retry:
+            self.give_up(now, EX_CONFIG, f"{v.cause.value}: {v.detail}")
+            return
+        if counted and self.budget.exhausted(now):
+            r = self.cfg.restart
+            self.give_up(now, EX_TEMPFAIL, f"crash loop: {self.budget.count(now)} failures in "
+                                           f"{r.budget_window:g}s (restart.budget_failures = "
+                                           f"{r.budget_failures}); last: {v.cause.value}: "
+                                           f"{v.detail}")
+            return
+        delay = backoff_delay(self.consecutive, self.cfg.restart, self.p.rand) if counted else 0.0
+        self.restart_at = now + delay
+        self.log.warning("restart_scheduled", cause=v.cause.value, delay=round(delay, 2),
+                         restarts=self.restarts, failures_in_window=self.budget.count(now),
+                         budget=self.cfg.restart.budget_failures)
+
+    def step_stopping(self, now: float) -> None:
+        if self.child is None:
+            self.finish_stop(now)
+            return
+        if self.stop_phase == "drain":
+            busy = None
+            if self.last_metrics is not None:
+                busy = self._busy(self.last_metrics)
+            if busy is False or now >= self.drain_deadline or self.child.poll() is not None:
+                if busy:
+                    self.log.warning("drain_timeout", running=self.last_metrics.get(RUNNING)
+                                     if self.last_metrics else None)
+                self.log.info("drained", busy=bool(busy))
+                self.stop_phase = "term"
+                self.begin_kill(now)
+                return
+            if now >= self.next_poll and "drain" not in self.tasks:
+                self.last_metrics = None
+                self.submit(now, "drain", _metrics_job(self._probe(),
+                                                       self.cfg.watch.health_timeout))
+                self.next_poll = now + STOP_POLL_INTERVAL
+            return
+        if self.reap_group(now):
+            self.child = None
+            self.finish_stop(now)
+
+    def on_drain(self, now: float, res: MetricsResult) -> None:
+        if res.ok:
+            self.last_metrics = res
+        else:
+            # vLLM cannot say what runs: nothing to wait for.
+            self.last_metrics = MetricsResult(True, {RUNNING: 0.0, WAITING: 0.0})
+
+    def finish_stop(self, now: float) -> None:
+        self.exit_code = EX_OK
+        self.transition(now, S.STOPPED, "stopped")
+
+    def step_stopped(self, now: float) -> None:
+        pass
+
+    def step_failed(self, now: float) -> None:
+        pass
+
+    # --- failure and stopping the child ----------------------------------------------------
+
+    def fail(self, now: float, verdict: ExitVerdict, requested: bool = False) -> None:
+        """Leave the running states for RESTARTING: stop the group, then decide."""
+        if self.state in (S.RESTARTING, S.STOPPING) or self.done:
+            return
+        self.failure = verdict
+        self.requested = verdict.cause if requested else None
+        level = self.log.info if verdict.cause in NOT_FAILURES else self.log.error
+        level("vllm_failed", cause=verdict.cause.value, detail=verdict.detail,
+              pid=self.child.pid if self.child else None)
+        self.transition(now, S.RESTARTING, f"{verdict.cause.value}: {verdict.detail}")
+        self.cancel_tasks()
+        self.last_metrics = None
+        if self.child is not None:
+            self.begin_kill(now)
+        else:
+            self.after_child_gone(now)
+
+    def begin_kill(self, now: float) -> None:
+        assert self.child is not None
+        self.kill_at = now + self.cfg.stop.term_timeout
+        self.killed_at = None
+        if self.child.signal_group(signal.SIGTERM):
+            self.log.info("group_signalled", signal="SIGTERM", pgid=self.child.pid)
+
+    def reap_group(self, now: float) -> bool:
+        """True once no process of the child's group is left (TERM, then KILL)."""
+        assert self.child is not None
+        rc = self.child.poll()
+        if rc is not None and not self.child.group_alive():
+            self.child.flush_output(2.0)
+            self.log.info("group_gone", pid=self.child.pid, code=rc)
+            return True
+        if self.killed_at is None and self.kill_at is not None and now >= self.kill_at:
+            self.log.warning("group_kill", reason=f"still running {self.cfg.stop.term_timeout:g}s "
+                                                  "after SIGTERM", pgid=self.child.pid)
+            self.child.signal_group(signal.SIGKILL)
+            self.killed_at = now
+        if self.killed_at is not None and now - self.killed_at > KILL_WAIT:
+            self.log.error("group_survives_kill", pids=self.child.group_members())
+            return True
+        return False
+
+    def give_up(self, now: float, code: int, why: str, error: ConfigError | None = None) -> None:
+        self.exit_code = code
+        self.log.critical("giving_up", exit_code=code, reason=why)
+        self.transition(now, S.FAILED, why)
+
+    def cancel_tasks(self) -> None:
+        for task in self.tasks.values():
+            task.future.cancel()
+        self.tasks.clear()
+
+    def submit(self, now: float, kind: str, fn: Callable[[], Any]) -> None:
+        self.tasks[kind] = _Task(kind, self.generation, now, self.p.executor.submit(fn))
+
+    def _probe(self) -> ProbeLike:
+        assert self.probe is not None, "probe exists while a child runs"
+        return self.probe
+
+    @staticmethod
+    def _busy(m: MetricsResult) -> bool:
+        return m.get(RUNNING) + m.get(WAITING) > 0
+
+    # --- telling ----------------------------------------------------------------------------
+
+    def transition(self, now: float, dst: State, reason: str, **fields: Any) -> None:
+        src = self.state
+        states.check(src, dst)
+        self.state, self.state_since, self.state_reason = dst, now, reason
+        self.log.info("state_changed", **{"from": src.value}, to=dst.value, reason=reason,
+                      pid=self.child.pid if self.child else None, restarts=self.restarts,
+                      **fields)
+        self.emit("transition", {"from": src.value, "to": dst.value, "reason": reason})
+
+    def emit(self, event: str, fields: dict[str, Any]) -> None:
+        for listener in self.p.listeners:
+            try:
+                listener(event, fields)
+            except Exception as e:
+                self.log.error("listener_failed", event_name=event, error=repr(e))
+
+    def notify_stopping(self, status: str) -> None:
+        self.p.notifier.stopping(status)
+        self.last_status = status
+
+    def status_line(self, now: float, note: str = "") -> str:
+        v = self.cfg.vllm
+        s = self.state
+        secs = int(now - self.state_since)
+        tail = f", restarts={self.restarts}"
+        if s == S.READY or s == S.DEGRADED:
+            ttft = ""
+            if self.warmup and self.warmup.ok:
+                near = self.warmup.ttft_near(1024)
+                if near:
+                    ttft = f", TTFT@{_k(near[0])}={near[1]:.0f}ms"
+            ctx = v.max_model_len if v.max_model_len != AUTO else "auto"
+            line = f"{s.value}: {v.served_model_name} ctx={ctx} seqs={v.max_num_seqs}{ttft}{tail}"
+            if s == S.DEGRADED:
+                line += f" ({self.state_reason})"
+        elif s in (S.STARTING, S.LOADING):
+            pid = self.child.pid if self.child else "-"
+            line = f"{s.value}: {v.served_model_name} (pid {pid}, {int(now - self.spawned_at)}s)" \
+                   f"{tail}"
+        elif s == S.WARMING:
+            line = f"warming: {self.warmup_progress or 'starting'}{tail}"
+        elif s == S.RESTARTING:
+            when = "" if self.restart_at is None else f" in {max(0, self.restart_at - now):.0f}s"
+            cause = self.failure.cause.value if self.failure else "?"
+            line = f"restarting{when} after {cause} ({self.budget.count(now)}/" \
+                   f"{self.cfg.restart.budget_failures} failures in window){tail}"
+        elif s == S.STOPPING:
+            line = f"stopping: {self.stop_phase or 'stop'} ({secs}s)"
+        elif s == S.FAILED:
+            line = f"failed: {self.state_reason}"[:400]
+        else:
+            line = f"{s.value}: {self.state_reason}"
+        return f"{line}; {note}" if note else line
+
+    def safe_argv(self) -> list[str]:
+        from qwen4090.child import render_argv
+
+        return render_argv(self.cfg.vllm)
+
+
+# Jobs for the executor: each binds its probe now, so a later config cannot change it.
+def _health_job(probe: ProbeLike, timeout: float) -> Callable[[], HealthResult]:
+    return lambda: probe.health(timeout)
+
+
+def _metrics_job(probe: ProbeLike, timeout: float) -> Callable[[], MetricsResult]:
+    return lambda: probe.metrics(timeout)
+
+
+def _poll_job(probe: ProbeLike, timeout: float
+              ) -> Callable[[], tuple[HealthResult, MetricsResult]]:
+    return lambda: (probe.health(timeout), probe.metrics(timeout))
+
+
+def _canary_job(probe: ProbeLike, timeout: float) -> Callable[[], CompletionResult]:
+    return lambda: probe.complete([TOKEN_CANARY], 1, timeout)
+
+
+TOKEN_CANARY = 785  # any id < 1000 exists in every vocabulary we serve
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
