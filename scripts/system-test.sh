@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# System test of the package: build the .deb, lint it, check its units offline, then install it
+# in a minimal Debian 12 booted with systemd-nspawn (systemd as PID 1) and run
+# tests/system/in-guest.sh there with the CPU vLLM and the tiny model as the runtime.
+#
+# Runs as root on a Debian 12 host (2 cores are enough), unattended; apt needs the package
+# mirror. Needs scripts/setup-runtime.sh's .runtime/venv and .runtime/tiny-model.
+#   QWEN4090_RUNTIME_VENV, QWEN4090_TINY_MODEL   other runtime/model locations
+#   QWEN4090_SYSTEM_TEST_DIR                    scratch (default build/system-test; the Debian
+#                                               tree is cached there, ~250 MB)
+#   QWEN4090_SECURITY_MAX                       highest allowed exposure (default 4.0)
+#   QWEN4090_MIRROR                             Debian mirror (default: the host's)
+# Exit status 0 only when every step and every in-guest check passed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+# Debian's own tools and python3 (a pyenv/venv python3 first on PATH breaks pybuild).
+export PATH=/usr/sbin:/usr/bin:/sbin:/bin LC_ALL=C.UTF-8 DEBIAN_FRONTEND=noninteractive
+W=${QWEN4090_SYSTEM_TEST_DIR:-$REPO/build/system-test}
+VENV=${QWEN4090_RUNTIME_VENV:-$REPO/.runtime/venv}
+MODEL=${QWEN4090_TINY_MODEL:-$REPO/.runtime/tiny-model}
+SECURITY_MAX=${QWEN4090_SECURITY_MAX:-4.0}
+T0=$(date +%s)
+step() { echo "== [+$(( $(date +%s) - T0 ))s] $*"; }
+die() { echo "system-test: $*" >&2; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "needs root (systemd-nspawn, apt-get)"
+[ -x "$VENV/bin/python" ] || die "no vLLM runtime at $VENV; run scripts/setup-runtime.sh"
+[ -f "$MODEL/config.json" ] || die "no tiny model at $MODEL; run scripts/setup-runtime.sh"
+VENV=$(readlink -f "$VENV"); MODEL=$(readlink -f "$MODEL")
+mkdir -p "$W"
+CI=$(mktemp -d "$W/ci.XXXXXX")
+V=$(mktemp -d "$W/verify-root.XXXXXX")
+cleanup() { rm -rf "$CI" "$V"; }
+trap cleanup EXIT
+
+step "host tools (apt-get, only what is missing)"
+TOOLS="debhelper dh-python pybuild-plugin-pyproject python3-all python3-setuptools python3-wheel
+       build-essential fakeroot lintian systemd-container mmdebstrap man-db"
+missing=$(for p in $TOOLS; do dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q '^install ok installed' || echo "$p"; done)
+if [ -n "$missing" ]; then
+    echo "installing: $(echo $missing)"
+    timeout 300 apt-get update -q >/dev/null
+    # shellcheck disable=SC2086
+    timeout 600 apt-get install -y -q --no-install-recommends $missing >"$W/apt.log" 2>&1 \
+        || { tail -20 "$W/apt.log"; die "apt-get install failed"; }
+fi
+
+step "build the .deb (make deb)"
+DEB=$(timeout 300 sh scripts/build-deb.sh | tail -n1)
+[ -f "$DEB" ] || die "no .deb built"
+echo "$DEB ($(stat -c %s "$DEB") bytes)"
+
+step "lintian --pedantic --fail-on error,warning"
+lrc=0
+out=$(timeout 300 lintian --pedantic -I --fail-on error,warning build/deb/qwen4090_*.changes 2>&1) || lrc=$?
+echo "$out" | grep -v '^running with root privileges' || true
+[ $lrc = 0 ] || die "lintian found errors or warnings (exit $lrc)"
+echo "lintian: clean"
+
+step "systemd-analyze verify (offline; any output fails) and security"
+dpkg-deb -x "$DEB" "$V"
+cp -an /usr/lib/systemd/system/. "$V/lib/systemd/system/"   # sysinit.target etc. resolve
+mkdir -p "$V/bin" && cp /bin/kill "$V/bin/"                  # procps is a Depends
+cp "$V/lib/systemd/system/qwen4090@.service" "$V/lib/systemd/system/qwen4090@gpu0.service"
+for unit in qwen4090.service qwen4090@gpu0.service; do
+    # MANPATH: Documentation=man:... is checked against the package's own pages.
+    out=$(MANPATH="$V/usr/share/man" timeout 60 systemd-analyze verify --root="$V" \
+          "/lib/systemd/system/$unit" 2>&1) || die "verify $unit failed: $out"
+    [ -z "$out" ] || die "verify $unit printed (it exits 0 on unknown keys, so output fails): $out"
+    echo "verify $unit: clean"
+done
+threshold=$(python3 -c "print(round(float('$SECURITY_MAX') * 10))")
+for unit in qwen4090.service qwen4090@gpu0.service; do
+    line=$(systemd-analyze security --offline=yes --root="$V" "/lib/systemd/system/$unit" 2>&1 | tail -n1)
+    echo "$line"
+    systemd-analyze security --offline=yes --root="$V" --threshold="$threshold" \
+        "/lib/systemd/system/$unit" >/dev/null 2>&1 || die "$unit: exposure above $SECURITY_MAX"
+done
+
+step "Debian 12 tree for the guest (mmdebstrap, cached)"
+PKGS=systemd,systemd-sysv,dbus,libnss-systemd,python3,python3-psutil,python3-structlog,libnuma1,procps
+ROOT="$W/rootfs-bookworm-$(echo "$PKGS" | md5sum | cut -c1-8)"
+if [ ! -x "$ROOT/lib/systemd/systemd" ]; then
+    MIRROR=${QWEN4090_MIRROR:-$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)}
+    [ -n "$MIRROR" ] || MIRROR=$(awk '/^deb /{print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
+    [ -n "$MIRROR" ] || die "no Debian mirror found; set QWEN4090_MIRROR"
+    rm -rf "$ROOT.tmp"
+    timeout 600 mmdebstrap --variant=minbase --include="$PKGS" bookworm "$ROOT.tmp" "$MIRROR" \
+        >"$W/mmdebstrap.log" 2>&1 || { tail -20 "$W/mmdebstrap.log"; die "mmdebstrap failed"; }
+    mv "$ROOT.tmp" "$ROOT"
+fi
+echo "$ROOT ($(du -sh "$ROOT" | cut -f1))"
+
+step "boot it (systemd-nspawn --boot --ephemeral --private-network) and run tests/system/in-guest.sh"
+cp "$DEB" "$CI/qwen4090.deb"
+cp tests/system/in-guest.sh "$CI/"
+mkdir "$CI/tiny-model"   # mount point for the model inside the read-only /ci
+rc=0
+NSPAWN_LOG="$W/nspawn.log" timeout --kill-after=30 1200 sh tests/system/nspawn-run.sh "$ROOT" \
+    --bind-ro="$CI:/ci" --bind-ro="$MODEL:/ci/tiny-model" --bind-ro="$VENV:/opt/qwen4090/venv" \
+    -- bash /ci/in-guest.sh || rc=$?
+step "done: exit $rc"
+exit $rc

@@ -1,0 +1,357 @@
+#!/bin/bash
+# The .deb under a real systemd: runs INSIDE a booted Debian 12 guest (systemd-nspawn --boot,
+# started by scripts/system-test.sh), as root, with no network.
+#   /ci/qwen4090.deb      the package under test
+#   /ci/tiny-model        a tiny Qwen3 model (config + tokenizer; vLLM runs it with dummy weights)
+#   /opt/qwen4090/venv    the CPU vLLM runtime, bind-mounted read-only
+# Proves issue 3's CI and "Bad input" lists; ends with "N passed, M failed", exit 1 on any failure.
+# Every wait is bounded.
+set -u
+export SYSTEMD_COLORS=0 SYSTEMD_PAGER= PAGER=cat LC_ALL=C.UTF-8 DEBIAN_FRONTEND=noninteractive
+DEB=/ci/qwen4090.deb
+PORT=18080
+KEY=ci-secret-key-0123456789
+U=qwen4090
+PASS=0 FAIL=0
+T0=$(date +%s)
+
+ok()   { PASS=$((PASS + 1)); echo "ok   - $*"; }
+bad()  { FAIL=$((FAIL + 1)); echo "FAIL - $*"; }
+check() { # check DESCRIPTION COMMAND...: pass when COMMAND succeeds
+    local what=$1; shift
+    if "$@"; then ok "$what"; else bad "$what"; fi
+}
+note() { echo "       $*"; }
+elapsed() { echo "$(( $(date +%s) - $1 ))s"; }
+finish() {
+    local rc=$?
+    if [ "$FAIL" -gt 0 ] || [ "$rc" -ne 0 ]; then
+        echo "--- journal of qwen4090 (last 60 lines) ---"
+        journalctl -u qwen4090 -b --no-pager -n 60 -o short-monotonic 2>/dev/null || true
+    fi
+    echo "in-guest tests took $(elapsed "$T0")"
+    echo "$PASS passed, $FAIL failed"
+    [ "$FAIL" -eq 0 ] && [ "$rc" -eq 0 ] && exit 0
+    exit 1
+}
+trap finish EXIT
+abort() { bad "$*"; echo "aborting: the remaining checks depend on this one"; exit 1; }
+
+prop() { systemctl show -p "$1" --value qwen4090; }
+cursor() { journalctl -u qwen4090 -n 0 --show-cursor --no-pager 2>/dev/null | sed -n 's/^-- cursor: //p'; }
+journal_since() { # journal_since CURSOR [journalctl args...]: the unit's lines after CURSOR
+    local c=$1; shift
+    if [ -n "$c" ]; then journalctl -u qwen4090 --after-cursor="$c" --no-pager -o cat "$@"
+    else journalctl -u qwen4090 -b --no-pager -o cat "$@"; fi
+}
+wait_for() { # wait_for SECONDS COMMAND...: poll every 0.5 s until COMMAND succeeds
+    local limit=$(( $1 * 2 )) i=0; shift
+    until "$@"; do i=$((i + 1)); [ $i -ge $limit ] && return 1; sleep 0.5; done
+}
+has() { # has TEXT NEEDLE...: TEXT contains every NEEDLE
+    local text=$1 n; shift
+    for n in "$@"; do case $text in *"$n"*) ;; *) return 1 ;; esac; done
+}
+new_lines() { journalctl -u qwen4090 --after-cursor="$1" -o cat --no-pager 2>/dev/null; }
+new_lines_match() { new_lines "$1" | grep -q -- "$2"; }
+vllm_pid() { pgrep -u "$U" -f vllm.entrypoints 2>/dev/null | head -n1; }
+requests_running() { # vLLM's own gauge, from /metrics (not behind the API key)
+    python3 - "$PORT" <<'PY'
+import sys, urllib.request
+try:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
+except Exception:
+    sys.exit(1)
+run = [float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith("vllm:num_requests_running")]
+sys.exit(0 if run and max(run) > 0 else 1)
+PY
+}
+user_pids() { pgrep -u "$U" 2>/dev/null | sort -n | tr '\n' ' '; }
+no_has() { # has TEXT NEEDLE...: TEXT contains every NEEDLE
+    local text=$1 n; shift
+    for n in "$@"; do case $text in *"$n"*) ;; *) return 1 ;; esac; done
+}
+new_lines() { journalctl -u qwen4090 --after-cursor="$1" -o cat --no-pager 2>/dev/null; }
+new_lines_match() { new_lines "$1" | grep -q -- "$2"; }
+vllm_pid() { pgrep -u "$U" -f vllm.entrypoints 2>/dev/null | head -n1; }
+requests_running() { # vLLM's own gauge, from /metrics (not behind the API key)
+    python3 - "$PORT" <<'PY'
+import sys, urllib.request
+try:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
+except Exception:
+    sys.exit(1)
+run = [float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith("vllm:num_requests_running")]
+sys.exit(0 if run and max(run) > 0 else 1)
+PY
+}
+user_pids() { [ -z "$(user_pids)" ]; }
+# One request: prints "HTTP_STATUS COMPLETION_TOKENS" (000 when nothing answered).
+complete() { # complete MAX_TOKENS [KEY]
+    python3 - "$PORT" "$1" "${2:-}" <<'PY'
+import json, sys, urllib.error, urllib.request
+port, max_tokens, key = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+body = json.dumps({"model": "tiny", "prompt": "hello there", "max_tokens": max_tokens,
+                   "ignore_eos": True, "temperature": 0}).encode()
+req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                             {"Content-Type": "application/json"})
+if key:
+    req.add_header("Authorization", f"Bearer {key}")
+try:
+    with urllib.request.urlopen(req, timeout=120) as r:
+        print(r.status, json.load(r)["usage"]["completion_tokens"])
+except urllib.error.HTTPError as e:
+    print(e.code, 0)
+except Exception:
+    print("000", 0)
+PY
+}
+# A config problem must be refused by ExecStartPre with one line naming the file and the fix,
+# the start must fail, and systemd must not schedule a restart.
+refused() { # refused NAME EXPECTED_TEXT...
+    local name=$1; shift
+    local c n0; c=$(cursor)
+    systemctl reset-failed qwen4090 2>/dev/null || true
+    n0=$(prop NRestarts)
+    if timeout 60 systemctl start qwen4090 2>/dev/null; then bad "$name: start succeeded"; systemctl stop qwen4090; return; fi
+    local pre sub res n code
+    pre=$(journal_since "$c" | grep -m1 '^qwen4090: config error:' || true)
+    sub=$(prop SubState); res=$(prop Result); n=$(prop NRestarts); code=$(prop ExecMainStatus)
+    local missing=
+    for t in "$@"; do case $pre in *"$t"*) ;; *) missing="$missing '$t'" ;; esac; done
+    if [ -n "$pre" ] && [ -z "$missing" ] && [ "$sub" = failed ] && [ "$n" = "$n0" ] && [ "$code" = 78 ]; then
+        ok "$name: refused, no restart (SubState=$sub Result=$res NRestarts=$n status=$code)"
+        note "$pre"
+    else
+        bad "$name: line='$pre' missing:[$missing ] SubState=$sub Result=$res NRestarts=$n status=$code"
+    fi
+}
+
+echo "== system"
+state=$(systemctl is-system-running --wait 2>/dev/null || true)
+check "guest systemd is up ($state)" test "$state" = running -o "$state" = degraded
+check "no network in the guest, only lo ($(ls /sys/class/net | tr '\n' ' '))" \
+    test "$(ls /sys/class/net)" = lo
+
+echo "== install"
+ts=$(date +%s)
+# (no --no-download: apt 2.6 then rejects the local file; the guest has no network anyway)
+if apt-get install -y -q "$DEB" >/tmp/apt.log 2>&1 && grep -q 'Need to get 0 B' /tmp/apt.log; then
+    ok "apt-get install ./qwen4090.deb offline ($(elapsed "$ts"), apt: Need to get 0 B)"
+else
+    cat /tmp/apt.log; abort "apt-get install"
+fi
+check "user $U exists ($(getent passwd $U))" getent passwd $U
+check "$U is in the GPU device groups video and render ($(id -nG $U))" \
+    sh -c "id -nG $U | grep -qw video && id -nG $U | grep -qw render"
+check "tmpfiles made /var/lib/qwen4090 and /var/cache/qwen4090 owned by $U" \
+    sh -c "[ \$(stat -c %U /var/lib/qwen4090) = $U ] && [ \$(stat -c %U /var/cache/qwen4090) = $U ]"
+check "/etc/qwen4090/qwen4090.toml is a conffile" \
+    sh -c "dpkg-query -W -f='\${Conffiles}' qwen4090 | grep -q /etc/qwen4090/qwen4090.toml"
+check "the unit is enabled ($(systemctl is-enabled qwen4090))" \
+    test "$(systemctl is-enabled qwen4090)" = enabled
+check "the install did not start it (runtime and model come later)" \
+    test "$(systemctl is-active qwen4090)" = inactive
+# --man=no: the guest has no man-db; the host's offline verify checked the pages.
+out=$(systemd-analyze verify --man=no /lib/systemd/system/qwen4090.service 2>&1)
+check "systemd-analyze verify in the guest: no output${out:+ ($out)}" test -z "$out"
+note "$(systemd-analyze security qwen4090.service 2>/dev/null | tail -n1)"
+check "man pages installed" test -f /usr/share/man/man8/qwen4090.8.gz -a -f /usr/share/man/man5/qwen4090.toml.5.gz
+
+echo "== bad input (each refused by ExecStartPre, no restart loop)"
+refused "default config, model not fetched yet" \
+    /etc/qwen4090/qwen4090.toml vllm.model Qwen3-14B-AWQ "does not exist" "qwen4090 fetch-model"
+# The unit must not be rescheduled after RestartSec=10s.
+sleep 12
+check "still failed 12 s later, NRestarts=$(prop NRestarts) (RestartPreventExitStatus=78)" \
+    test "$(prop SubState)/$(prop NRestarts)" = "failed/0"
+mv /etc/qwen4090/qwen4090.toml /etc/qwen4090/qwen4090.toml.away
+refused "missing config" /etc/qwen4090/qwen4090.toml "file not found"
+mv /etc/qwen4090/qwen4090.toml.away /etc/qwen4090/qwen4090.toml
+chmod 600 /etc/qwen4090/qwen4090.toml
+refused "config not readable by $U" /etc/qwen4090/qwen4090.toml "permission denied" "readable"
+chmod 644 /etc/qwen4090/qwen4090.toml
+
+echo "== provision: fetch-model from a local directory"
+if qwen4090 fetch-model tiny-model --from-dir /ci/tiny-model >/tmp/fetch.log 2>&1; then
+    ok "qwen4090 fetch-model --from-dir: $(tail -n1 /tmp/fetch.log)"
+else
+    cat /tmp/fetch.log; abort "fetch-model"
+fi
+M=/var/lib/qwen4090/models/tiny-model
+mode=$(stat -c %U:%a "$M/config.json")
+check "model owned by $U and not world-readable ($mode)" has "${mode}-" "$U:" "0-"
+cat >/etc/qwen4090/conf.d/50-ci.toml <<EOF
+# CPU vLLM + tiny model (system test)
+[vllm]
+model = "$M"
+served_model_name = "tiny"
+port = $PORT
+max_model_len = 2048
+max_num_seqs = 8
+max_num_batched_tokens = 2048
+enforce_eager = true
+extra_args = ["--load-format", "dummy"]
+env = { VLLM_CPU_KVCACHE_SPACE = "1", HF_HUB_OFFLINE = "1" }
+
+[warmup]
+lengths = [1, 16, 256]
+concurrency = [1, 4]
+
+[watch]
+poll_interval = 2.0
+EOF
+
+# Bad input that needs the rest of the config to be right.
+cp -r "$M" /srv/private-model && chmod 700 /srv/private-model
+printf '[vllm]\nmodel = "/srv/private-model"\n' >/etc/qwen4090/conf.d/90-bad.toml
+refused "model directory not readable by $U" /srv/private-model "not readable"
+printf '[vllm]\nmodel = "/srv/no-such-model"\n' >/etc/qwen4090/conf.d/90-bad.toml
+refused "model directory missing" /srv/no-such-model "does not exist"
+install -m 644 -o $U /dev/null /etc/qwen4090/api_key && echo "$KEY" >/etc/qwen4090/api_key
+printf '[vllm]\napi_key_file = "/etc/qwen4090/api_key"\n' >/etc/qwen4090/conf.d/90-bad.toml
+refused "API key file with loose permissions" /etc/qwen4090/api_key "chmod 600"
+printf '[watch]\npoll_intervall = 3\n' >/etc/qwen4090/conf.d/90-bad.toml
+refused "unknown key" /etc/qwen4090/conf.d/90-bad.toml watch.poll_intervall "did you mean"
+rm -f /etc/qwen4090/conf.d/90-bad.toml /etc/qwen4090/api_key
+rm -rf /srv/private-model
+check "check-config as $U passes with the CI drop-in" runuser -u $U -- qwen4090 check-config
+systemctl reset-failed qwen4090
+
+echo "== start: returns only after READY=1"
+# The API key as a systemd credential (LoadCredential=api_key:qwen4090.api_key).
+install -d -m 700 /etc/credstore
+install -m 600 /dev/null /etc/credstore/qwen4090.api_key && echo "$KEY" >/etc/credstore/qwen4090.api_key
+c=$(cursor)
+ts=$(date +%s)
+timeout 600 systemctl start qwen4090 &
+START=$!
+seen=; active_polls=0; early=
+i=0
+while kill -0 $START 2>/dev/null && [ $i -lt 1200 ]; do
+    st=$(prop ActiveState); txt=$(prop StatusText)
+    # active on two polls in a row while `systemctl start` still waits = returned too late
+    if [ "$st" = active ]; then active_polls=$((active_polls + 1)); else active_polls=0; fi
+    [ $active_polls -ge 2 ] && early="$txt"
+    has "$seen" "${txt%%:*};" || { [ -n "$txt" ] && seen="$seen${txt%%:*};"; }
+    i=$((i + 1)); sleep 0.5
+done
+wait $START; rc=$?
+dt=$(elapsed "$ts")
+[ $rc = 0 ] || abort "systemctl start failed (rc=$rc) after $dt"
+txt=$(prop StatusText)
+check "systemctl start returned after $dt with the unit active" test "$(prop ActiveState)" = active
+check "activating (not active) for as long as systemctl start waited${early:+ (active early: $early)}" \
+    test -z "$early"
+note "STATUS= states seen while starting: $seen"
+check "STATUS= went through loading and warming before READY" has "$seen" "loading;" "warming;"
+check "systemctl status shows the STATUS line: $txt" \
+    has "$(systemctl status qwen4090 --no-pager 2>/dev/null)" "Status: \"$txt\"" "Status: \"ready:"
+r=$(complete 8 "$KEY")
+check "warm right away: a completion with the credential's key answers ($r)" test "$r" = "200 8"
+r=$(complete 8)
+check "without the key vLLM answers 401 ($r)" test "${r%% *}" = 401
+check "warmup logged before READY" new_lines_match "$c" warmup_finished
+w=$(journalctl -u qwen4090 --after-cursor="$c" -p warning -o json --no-pager | python3 -c '
+import json, sys
+prios = [int(json.loads(l)["PRIORITY"]) for l in sys.stdin if l.strip()]
+print(max(prios, default=0), len(prios))')
+check "journalctl -p warning shows only priorities <= 4 (max, count: $w)" test "${w%% *}" -le 4
+spawned=$(journalctl -u qwen4090 -b -o json --no-pager | grep -m1 child_spawned || true)
+check "info events are PRIORITY 6" has "$spawned" '"PRIORITY":"6"'
+check "... hidden from journalctl -p warning" \
+    sh -c '! journalctl -u qwen4090 -b -p warning -o cat --no-pager | grep -q child_spawned'
+check "... and journald stripped the <N> prefix" \
+    sh -c '! journalctl -u qwen4090 -b -o cat --no-pager | grep -q "^<[0-7]>"'
+w=$(journalctl -u qwen4090 --after-cursor="$c" -p warning -o cat --no-pager | head -n 4 | cut -c1-150)
+[ -n "$w" ] && note "warnings while starting: $(echo "$w" | tr '\n' '|')"
+VPID=$(vllm_pid)
+env_of_vllm=$(tr '\0' '\n' </proc/"$VPID"/environ 2>/dev/null)
+check "CacheDirectory reached vLLM as VLLM_CACHE_ROOT=/var/cache/qwen4090" \
+    has "$env_of_vllm" VLLM_CACHE_ROOT=/var/cache/qwen4090
+check "vLLM runs as $U without NOTIFY_SOCKET" \
+    sh -c "[ \"\$(stat -c %U /proc/$VPID)\" = $U ] && ! tr '\\0' '\\n' </proc/$VPID/environ | grep -q ^NOTIFY_SOCKET="
+
+echo "== reload"
+MAIN=$(prop MainPID)
+c=$(cursor)
+complete 4 "$KEY" >/dev/null
+wait_for 10 new_lines_match "$c" 'POST /v1/completions'
+check "before: vLLM's INFO access lines are logged (vllm_level = info)" \
+    new_lines_match "$c" 'POST /v1/completions'
+printf '[log]\nvllm_level = "warning"\n' >/etc/qwen4090/conf.d/60-reload.toml
+c=$(cursor)
+systemctl reload qwen4090
+wait_for 20 new_lines_match "$c" reloaded
+check "reload applied the change: $(new_lines "$c" | grep -m1 reloaded | cut -c1-140)" \
+    has "$(new_lines "$c" | grep -m1 reloaded)" "log"
+wait_for 20 state_in active
+c=$(cursor)
+r=$(complete 4 "$KEY"); sleep 3
+check "after: the request is served ($r)" test "$r" = "200 4"
+check "... and vLLM's INFO lines are no longer logged" \
+    sh -c "! journalctl -u qwen4090 --after-cursor='$c' -o cat --no-pager | grep -q 'POST /v1/completions'"
+check "no restart for a supervisor-only change (MainPID $MAIN, vLLM pid $VPID kept)" \
+    test "$(prop MainPID) $(vllm_pid)" = "$MAIN $VPID"
+printf '[watch]\npoll_interval = "fast"\n' >/etc/qwen4090/conf.d/70-broken.toml
+c=$(cursor)
+systemctl reload qwen4090
+wait_for 20 new_lines_match "$c" reload_refused
+line=$(journalctl -u qwen4090 --after-cursor="$c" -p err -o cat --no-pager | grep -m1 reload_refused || true)
+check "broken config on reload: an error line names the file and the key" \
+    has "$line" 70-broken.toml watch.poll_interval
+note "$line"
+wait_for 20 state_in active
+r=$(complete 4 "$KEY")
+check "the old config keeps serving ($r, same MainPID and vLLM)" \
+    test "$r $(prop MainPID) $(vllm_pid)" = "200 4 $MAIN $VPID"
+rm -f /etc/qwen4090/conf.d/70-broken.toml /etc/qwen4090/conf.d/60-reload.toml
+systemctl reload qwen4090
+wait_for 20 state_in active
+
+echo "== SIGKILL of the supervisor"
+OLD=$(user_pids)
+n0=$(prop NRestarts)
+note "processes of $U before: $OLD"
+ts=$(date +%s)
+systemctl kill --signal=SIGKILL --kill-who=main qwen4090
+wait_for 60 restarts_not "$n0"
+check "systemd restarted it (NRestarts $n0 -> $(prop NRestarts), $(elapsed "$ts") after the kill)" \
+    test "$(prop NRestarts)" != "$n0"
+left=
+for p in $OLD; do kill -0 "$p" 2>/dev/null && left="$left $p"; done
+check "no process of the old supervisor or its vLLM survived${left:+ (alive:$left)}" test -z "$left"
+wait_for 300 state_in active failed
+check "active (READY) again $(elapsed "$ts") after the kill: $(prop StatusText)" \
+    test "$(prop ActiveState)" = active
+r=$(complete 4 "$KEY")
+check "serves again ($r)" test "$r" = "200 4"
+
+echo "== stop drains and leaves no process"
+complete 400 "$KEY" >/tmp/inflight.out &
+INFLIGHT=$!
+wait_for 20 requests_running
+check "a request is in flight when the stop begins" requests_running
+ts=$(date +%s)
+timeout 180 systemctl stop qwen4090
+dt=$(elapsed "$ts")
+wait $INFLIGHT
+check "that request finished, all its tokens served: $(cat /tmp/inflight.out)" \
+    test "$(cat /tmp/inflight.out)" = "200 400"
+check "stopped after $dt, clean exit (Result=$(prop Result), status $(prop ExecMainStatus))" \
+    test "$(prop ActiveState)/$(prop Result)/$(prop ExecMainStatus)" = inactive/success/0
+check "no process of $U left ($(user_pids))" no_user_pids
+
+echo "== purge (while a start is in progress)"
+systemctl start --no-block qwen4090
+wait_for 30 some_user_pids
+ts=$(date +%s)
+if timeout 180 apt-get purge -y -q qwen4090 >/tmp/purge.log 2>&1; then
+    ok "apt-get purge ($(elapsed "$ts"))"
+else
+    cat /tmp/purge.log; bad "apt-get purge"
+fi
+check "purge stopped the service: no process of $U left" wait_for 30 no_user_pids
+check "config, state and cache removed" \
+    sh -c '! [ -e /etc/qwen4090 ] && ! [ -e /var/lib/qwen4090 ] && ! [ -e /var/cache/qwen4090 ]'
+check "unit file gone" sh -c '! [ -e /lib/systemd/system/qwen4090.service ]'
