@@ -14,6 +14,7 @@ import dataclasses
 import math
 import os
 import sys
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -254,7 +255,7 @@ def _check(file: str | None, key: str, value: Any, typ: Any, meta: Mapping[str, 
         return ConfigError(file, key, f"found {_show(value)}, expected {expected}{why}")
 
     origin = get_origin(typ)
-    if origin is Union or (origin is not None and str(origin) == "types.UnionType"):
+    if _is_union(typ):
         # int | str means: an integer, or the word "auto".
         if value == AUTO:
             return value
@@ -328,7 +329,7 @@ def _check_relations(cfg: Config, owner: Mapping[str, str], default_file: str | 
 
 def _describe(typ: Any, meta: Mapping[str, Any]) -> str:
     origin = get_origin(typ)
-    if origin is Union or (origin is not None and str(origin) == "types.UnionType"):
+    if _is_union(typ):
         base = "an integer or \"auto\""
     elif typ is bool:
         base = "true or false"
@@ -355,6 +356,11 @@ def _describe(typ: Any, meta: Mapping[str, Any]) -> str:
     if hi is not None:
         return f"{base} of at most {_num(hi)}"
     return base
+
+
+def _is_union(typ: Any) -> bool:
+    origin = get_origin(typ)
+    return origin is Union or (sys.version_info >= (3, 10) and origin is types.UnionType)
 
 
 def _num(x: float) -> str:

@@ -127,8 +127,10 @@ _POINTERS = ("root cause above", "stack trace above", "EngineDeadError")
 def _last_error(lines: list[str], default: str) -> str:
     """The most telling error line: the last exception that is not a pointer to another."""
     for line in reversed(lines):
-        if _EXCEPTION_LINE.match(line) and not any(p in line for p in _POINTERS):
-            return _clip(line)
+        m = _VLLM_LINE.match(line)
+        msg = m["msg"] if m else line
+        if _EXCEPTION_LINE.match(msg) and not any(p in msg for p in _POINTERS):
+            return _clip(msg)
     for line in reversed(lines):
         if _ERRORISH.search(line):
             return _clip(line)

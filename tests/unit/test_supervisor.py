@@ -1,0 +1,475 @@
+"""The state machine with a fake clock and fake parts: no processes, no sleeps."""
+
+from __future__ import annotations
+
+import random
+import signal
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from qwen4090.config import Config, ConfigError, from_dict
+from qwen4090.policy import Cause
+from qwen4090.preflight import PreflightResult
+from qwen4090.probes.http import (
+    GENERATION_TOKENS,
+    RUNNING,
+    WAITING,
+    CompletionResult,
+    HealthResult,
+    MetricsResult,
+)
+from qwen4090.states import State
+from qwen4090.supervisor import Parts, Supervisor
+from qwen4090.warmup import WarmupResult, WarmupRow
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeChild:
+    next_pid = 100
+
+    def __init__(self) -> None:
+        FakeChild.next_pid += 1
+        self.pid = FakeChild.next_pid
+        self.lines = 0
+        self.last_output = 0.0
+        self.rc: int | None = None
+        self.alive = True
+        self.signals: list[int] = []
+        self.tail: list[str] = []
+        self.ignores_term = False
+
+    def poll(self) -> int | None:
+        return self.rc
+
+    def tail_lines(self) -> list[str]:
+        return self.tail
+
+    def flush_output(self, timeout: float = 2.0) -> None:
+        pass
+
+    def signal_group(self, sig: int) -> bool:
+        self.signals.append(sig)
+        if sig == signal.SIGKILL or (sig == signal.SIGTERM and not self.ignores_term):
+            if self.rc is None:
+                self.rc = -sig
+            self.alive = False
+        return True
+
+    def group_alive(self) -> bool:
+        return self.alive
+
+    def group_members(self) -> list[int]:
+        return [self.pid] if self.alive else []
+
+    def exit(self, rc: int, tail: list[str] | None = None) -> None:
+        self.rc, self.alive, self.tail = rc, False, tail or []
+
+
+class FakeProbe:
+    def __init__(self) -> None:
+        self.healthy = True
+        self.running = 0.0
+        self.tokens = 0.0
+        self.canary_ok = True
+        self.canaries = 0
+
+    def health(self, timeout: float) -> HealthResult:
+        return HealthResult(self.healthy, 200 if self.healthy else None, 0.001,
+                            "" if self.healthy else "connection refused")
+
+    def metrics(self, timeout: float) -> MetricsResult:
+        return MetricsResult(True, {RUNNING: self.running, WAITING: 0.0,
+                                    GENERATION_TOKENS: self.tokens})
+
+    def complete(self, prompt: Any, max_tokens: int, timeout: float) -> CompletionResult:
+        self.canaries += 1
+        if self.canary_ok:
+            return CompletionResult(True, 0.01, 0.02, 1)
+        return CompletionResult(False, None, timeout, 0, f"no answer within {timeout:g}s")
+
+
+class Notifier:
+    watchdog_interval: float | None = None
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    def ready(self, status: str) -> bool:
+        self.sent += ["READY=1", f"STATUS={status}"]
+        return True
+
+    def status(self, status: str) -> bool:
+        self.sent.append(f"STATUS={status}")
+        return True
+
+    def watchdog(self) -> bool:
+        self.sent.append("WATCHDOG=1")
+        return True
+
+    def extend_timeout(self, seconds: float) -> bool:
+        self.sent.append(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")
+        return True
+
+    def stopping(self, status: str) -> bool:
+        self.sent.append("STOPPING=1")
+        return True
+
+    def reloading(self) -> bool:
+        self.sent.append("RELOADING=1")
+        return True
+
+
+class Inline:
+    """Runs a task at once: results are ready for the next step's harvest."""
+
+    def submit(self, fn: Any, /, *args: Any) -> Future[Any]:
+        f: Future[Any] = Future()
+        f.set_result(fn(*args))
+        return f
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, dict[str, Any]]] = []
+
+    def __getattr__(self, level: str) -> Any:
+        return lambda event, **kw: self.events.append((level, event, kw))
+
+    def names(self) -> list[str]:
+        return [e for _, e, _ in self.events]
+
+
+def warm_ok(cfg: Config, probe: Any, progress: Any) -> WarmupResult:
+    progress("1 tokens x1")
+    return WarmupResult(True, [WarmupRow(1024, 1, 42.0, 42.0, 0.1)], 0.5)
+
+
+class Harness:
+    def __init__(self, raw: dict[str, Any] | None = None, warmup: Any = warm_ok,
+                 preflight: Any = None, reload_to: Any = None) -> None:
+        base = {"restart": {"backoff_initial": 1.0, "backoff_max": 4.0, "jitter": 0.0,
+                            "budget_failures": 3, "budget_window": 600.0},
+                "watch": {"poll_interval": 1.0, "hang_timeout": 10.0, "canary_interval": 5.0,
+                          "canary_timeout": 2.0, "load_timeout": 100.0,
+                          "unhealthy_timeout": 3.0},
+                "stop": {"drain_timeout": 5.0, "term_timeout": 3.0}}
+        for k, v in (raw or {}).items():
+            base.setdefault(k, {}).update(v)
+        self.cfg = from_dict(base)
+        self.clock = Clock()
+        self.children: list[FakeChild] = []
+        self.probe = FakeProbe()
+        self.notifier = Notifier()
+        self.log = Log()
+        self.reload_to = reload_to
+        self.sup = Supervisor(self.cfg, Parts(
+            spawn=self.spawn, make_probe=lambda c: self.probe,
+            preflight=preflight or (lambda c: PreflightResult()), warmup=warmup,
+            load_config=self.load, notifier=self.notifier, executor=Inline(), log=self.log,
+            clock=self.clock, wall=lambda: 0.0, rand=random.Random(0)))
+
+    def spawn(self, cfg: Config) -> FakeChild:
+        c = FakeChild()
+        self.children.append(c)
+        return c
+
+    def load(self) -> Config:
+        if isinstance(self.reload_to, Exception):
+            raise self.reload_to
+        return self.reload_to
+
+    @property
+    def child(self) -> FakeChild:
+        return self.children[-1]
+
+    def step(self, dt: float = 0.0, n: int = 1) -> State:
+        for _ in range(n):
+            self.clock.t += dt
+            self.sup.step()
+        return self.sup.state
+
+    def run_until(self, state: State, dt: float = 0.25, limit: int = 2000) -> None:
+        for _ in range(limit):
+            if self.sup.state == state:
+                return
+            if self.sup.state == State.STARTING and self.children and self.child.lines == 0:
+                self.child.lines = 1  # vLLM prints its first line
+                self.child.last_output = self.clock.t
+            self.step(dt)
+        raise AssertionError(f"never reached {state}, stuck in {self.sup.state}")
+
+    def transitions(self) -> list[tuple[str, str]]:
+        return [(kw["from"], kw["to"]) for lvl, e, kw in self.log.events if e == "state_changed"]
+
+
+def test_start_to_ready_notifies_once_after_warmup():
+    h = Harness()
+    h.run_until(State.READY)
+    assert h.transitions() == [("preflight", "starting"), ("starting", "loading"),
+                               ("loading", "warming"), ("warming", "ready")]
+    assert h.notifier.sent.count("READY=1") == 1
+    ready_status = h.notifier.sent[h.notifier.sent.index("READY=1") + 1]
+    assert ready_status.startswith("STATUS=ready: ") and "TTFT@1k=42ms" in ready_status
+    assert "restarts=0" in ready_status
+
+
+def test_not_ready_before_health_and_load_timeout_restarts():
+    h = Harness()
+    h.probe.healthy = False
+    h.run_until(State.LOADING)
+    h.step(1.0, n=50)
+    assert h.sup.state == State.LOADING and "READY=1" not in h.notifier.sent
+    h.run_until(State.RESTARTING)
+    assert h.sup.failure is not None and h.sup.failure.cause is Cause.LOAD_TIMEOUT
+    assert h.child.signals[0] == signal.SIGTERM
+
+
+def test_extend_timeout_only_while_output_flows():
+    h = Harness({"watch": {"load_timeout": 1000.0}})
+    h.probe.healthy = False
+    h.run_until(State.LOADING)
+    h.step(11.0)
+    extends = sum(m.startswith("EXTEND_TIMEOUT_USEC") for m in h.notifier.sent)
+    assert extends >= 1
+    h.step(200.0)  # no output for 200 s: no more extensions
+    h.step(11.0)
+    assert sum(m.startswith("EXTEND_TIMEOUT_USEC") for m in h.notifier.sent) == extends
+
+
+def test_exit_zero_is_a_failure_and_restarts_with_backoff():
+    h = Harness()
+    h.run_until(State.READY)
+    first = h.child
+    first.exit(0, ["RuntimeError: cancelled"])
+    h.step(0.1)
+    assert h.sup.state == State.RESTARTING
+    assert h.sup.failure.cause is Cause.EXIT_0
+    assert h.sup.restart_at == pytest.approx(h.clock.t + 1.0, abs=0.01)  # first backoff
+    h.run_until(State.READY)
+    assert h.child is not first and h.sup.restarts == 1
+    assert h.notifier.sent.count("READY=1") == 1  # READY=1 once per service start
+
+
+def test_crash_loop_ends_in_failed_75():
+    h = Harness()
+    for _ in range(3):
+        h.run_until(State.LOADING)
+        h.child.exit(1, ["ValueError: boom"])
+        h.step(0.1, n=2)
+    h.run_until(State.FAILED)
+    assert h.sup.exit_code == 75
+    assert [r.cause for r in h.sup.history] == ["crash"] * 3
+    delays = [kw["delay"] for _, e, kw in h.log.events if e == "restart_scheduled"]
+    assert delays == [1.0, 2.0]
+
+
+def test_stable_run_resets_backoff():
+    h = Harness({"restart": {"stable_after": 30.0}})
+    h.run_until(State.READY)
+    h.child.exit(1)
+    assert h.step(0.1) == State.RESTARTING
+    h.run_until(State.READY)
+    assert h.sup.consecutive == 1
+    h.step(1.0, n=25)
+    assert h.sup.consecutive == 1
+    h.step(1.0, n=31)
+    assert h.sup.consecutive == 0
+
+
+def test_config_error_in_preflight_is_78_without_spawning():
+    err = ConfigError("/etc/q.toml", "vllm.model", "directory /m does not exist")
+    h = Harness(preflight=lambda c: PreflightResult(fatal=err))
+    h.step()
+    assert h.sup.state == State.FAILED and h.sup.exit_code == 78 and not h.children
+
+
+def test_vllm_argument_error_is_not_retried():
+    h = Harness()
+    h.run_until(State.LOADING)
+    h.child.exit(2, ["api_server.py: error: unrecognized arguments: --bogus"])
+    h.step(0.1, n=3)
+    assert h.sup.state == State.FAILED and h.sup.exit_code == 78
+
+
+def test_transient_preflight_problem_is_retried():
+    results = [PreflightResult(transient="port 127.0.0.1:8000 is in use"), PreflightResult()]
+    h = Harness(preflight=lambda c: results.pop(0) if len(results) > 1 else results[0])
+    h.step()
+    assert h.sup.state == State.RESTARTING and not h.children
+    h.run_until(State.READY)
+
+
+def test_hang_detected_within_timeout_plus_two_polls():
+    h = Harness()
+    h.run_until(State.READY)
+    h.probe.running, h.probe.tokens = 1.0, 50.0
+    h.step(1.0, n=3)
+    start = h.clock.t  # tokens freeze from here on, request still running
+    h.run_until(State.RESTARTING, dt=0.25)
+    assert h.sup.failure.cause is Cause.HANG
+    assert h.clock.t - start <= 10.0 + 2 * 1.0
+    assert ("ready", "degraded") in h.transitions()  # degraded while stalled
+    assert h.log.names().count("hang_detected") == 1
+
+
+def test_progress_keeps_it_ready():
+    h = Harness()
+    h.run_until(State.READY)
+    h.probe.running = 4.0
+    for _ in range(60):
+        h.probe.tokens += 10
+        h.step(1.0)
+    assert h.sup.state == State.READY
+
+
+def test_idle_canary_failure_restarts():
+    h = Harness()
+    h.run_until(State.READY)
+    h.step(1.0, n=6)
+    assert h.probe.canaries >= 1 and h.sup.state == State.READY
+    h.probe.canary_ok = False
+    h.run_until(State.RESTARTING)
+    assert h.sup.failure.cause is Cause.CANARY
+
+
+def test_no_canary_while_busy():
+    h = Harness()
+    h.run_until(State.READY)
+    h.probe.running = 1.0
+    for _ in range(20):
+        h.probe.tokens += 1
+        h.step(1.0)
+    assert h.probe.canaries == 0
+
+
+def test_unhealthy_degrades_then_restarts():
+    h = Harness()
+    h.run_until(State.READY)
+    h.probe.healthy = False
+    h.step(1.0, n=2)
+    assert h.sup.state == State.DEGRADED
+    h.run_until(State.RESTARTING)
+    assert h.sup.failure.cause is Cause.UNHEALTHY
+
+
+def test_degraded_recovers():
+    h = Harness()
+    h.run_until(State.READY)
+    h.probe.healthy = False
+    h.step(1.0, n=2)
+    h.probe.healthy = True
+    h.step(1.0, n=2)
+    assert h.sup.state == State.READY
+
+
+def test_sigterm_drains_then_stops_group():
+    h = Harness()
+    h.run_until(State.READY)
+    h.probe.running, h.probe.tokens = 2.0, 5.0
+    h.sup.deliver(signal.SIGTERM)
+    h.step(0.1)
+    assert h.sup.state == State.STOPPING and "STOPPING=1" in h.notifier.sent
+    h.step(0.5, n=4)
+    assert h.child.signals == []  # still draining: requests are running
+    h.probe.running = 0.0
+    h.step(0.5, n=3)
+    assert h.child.signals == [signal.SIGTERM]
+    h.run_until(State.STOPPED)
+    assert h.sup.exit_code == 0
+
+
+def test_stop_escalates_to_sigkill_after_term_timeout():
+    h = Harness()
+    h.run_until(State.READY)
+    h.child.ignores_term = True
+    h.probe.running = 1.0
+    h.sup.deliver(signal.SIGTERM)
+    h.run_until(State.STOPPED, dt=0.5)
+    assert h.child.signals == [signal.SIGTERM, signal.SIGKILL]
+    assert "drain_timeout" in h.log.names() and "group_kill" in h.log.names()
+
+
+def test_second_sigterm_skips_drain():
+    h = Harness()
+    h.run_until(State.READY)
+    h.probe.running = 1.0
+    h.sup.deliver(signal.SIGTERM)
+    h.step(0.1)
+    h.sup.deliver(signal.SIGINT)
+    h.step(0.1)
+    assert h.child.signals == [signal.SIGTERM]
+
+
+def test_sighup_with_broken_config_keeps_serving():
+    err = ConfigError("/etc/q.toml", "vllm.port", "found 0, expected an integer from 1")
+    h = Harness(reload_to=err)
+    h.run_until(State.READY)
+    child = h.child
+    h.sup.deliver(signal.SIGHUP)
+    h.step(0.1)
+    assert h.sup.state == State.READY and h.child is child and not child.signals
+    assert "reload_refused" in h.log.names()
+    assert h.notifier.sent[-3:-1] == ["RELOADING=1", "READY=1"]
+
+
+def test_sighup_supervisor_setting_applies_live():
+    h = Harness()
+    new = from_dict({**{k: {} for k in ()}, "watch": {"hang_timeout": 3.0, "poll_interval": 1.0},
+                     "restart": {"backoff_initial": 1.0, "backoff_max": 4.0, "jitter": 0.0,
+                                 "budget_failures": 3, "budget_window": 600.0},
+                     "stop": {"drain_timeout": 5.0, "term_timeout": 3.0}})
+    h.reload_to = new
+    h.run_until(State.READY)
+    child = h.child
+    h.sup.deliver(signal.SIGHUP)
+    h.step(0.1)
+    assert h.sup.state == State.READY and h.child is child and h.sup.cfg.watch.hang_timeout == 3
+    assert h.sup.hang.hang_timeout == 3
+
+
+def test_sighup_vllm_change_is_a_controlled_restart_not_a_failure():
+    h = Harness()
+    h.run_until(State.READY)
+    h.reload_to = from_dict({"vllm": {"max_num_seqs": 4}})
+    h.sup.deliver(signal.SIGHUP)
+    h.step(0.1)
+    assert h.sup.state == State.RESTARTING and h.sup.failure.cause is Cause.RELOAD
+    h.run_until(State.READY)
+    assert h.sup.budget.count(h.clock.t) == 0 and h.sup.restarts == 1
+
+
+def test_warmup_failure_is_a_failed_start():
+    h = Harness(warmup=lambda c, p, prog: WarmupResult(False, error="HTTP 500: boom"))
+    h.run_until(State.RESTARTING)
+    assert h.sup.failure.cause is Cause.WARMUP_FAILED
+    assert "READY=1" not in h.notifier.sent
+
+
+def test_stale_probe_results_are_dropped():
+    h = Harness()
+    h.run_until(State.READY)
+    f: Future[Any] = Future()
+    h.sup.submit(h.clock.t, "poll", lambda: None)
+    h.sup.tasks["poll"].future = f
+    h.sup.tasks["poll"].generation -= 1  # a result about an older process
+    f.set_result((HealthResult(False, None, 0, "x"), MetricsResult(False)))
+    h.step(0.1)
+    assert h.sup.state == State.READY
+
+
+def test_watchdog_pings_from_the_loop():
+    h = Harness()
+    h.notifier.watchdog_interval = 2.0
+    h.run_until(State.READY)
+    before = h.notifier.sent.count("WATCHDOG=1")
+    h.step(1.0, n=10)
+    assert h.notifier.sent.count("WATCHDOG=1") - before == 5
