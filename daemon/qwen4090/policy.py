@@ -24,6 +24,8 @@ EX_CONFIG = 78  # configuration error: never retried (RestartPreventExitStatus=7
 EXIT_CODES = {
     EX_OK: "stopped cleanly (SIGTERM/SIGINT), or a command succeeded",
     1: "a command failed (e.g. `status`: not ready)",
+    3: "`status`: the daemon is not running (no answer from its status endpoint, or it "
+       "stopped or failed)",
     EX_SOFTWARE: "internal error in qwen4090 (a bug: please report it)",
     EX_TEMPFAIL: "vLLM kept failing: crash-loop budget spent (systemd may restart us)",
     EX_CONFIG: "configuration error (bad key or value, unreadable file); fix it, not retried",
@@ -126,15 +128,23 @@ _POINTERS = ("root cause above", "stack trace above", "EngineDeadError")
 
 def _last_error(lines: list[str], default: str) -> str:
     """The most telling error line: the last exception that is not a pointer to another."""
-    for line in reversed(lines):
-        m = _VLLM_LINE.match(line)
-        msg = m["msg"] if m else line
+    msgs = [_message(line) for line in lines]
+    for i in range(len(msgs) - 1, -1, -1):
+        msg = msgs[i]
         if _EXCEPTION_LINE.match(msg) and not any(p in msg for p in _POINTERS):
+            if "validation error" in msg:
+                # pydantic puts the reason on the next lines ("  Value error, ...")
+                msg = " ".join([msg, *(m.strip() for m in msgs[i + 1:i + 3])])
             return _clip(msg)
     for line in reversed(lines):
         if _ERRORISH.search(line):
             return _clip(line)
     return default
+
+
+def _message(line: str) -> str:
+    m = _VLLM_LINE.match(line)
+    return m["msg"] if m else line
 
 
 def _clip(line: str, n: int = 300) -> str:

@@ -120,3 +120,12 @@ def test_hang_needs_busy_engine_and_flat_counter():
 def test_vllm_line_levels(line, stream, level, proc):
     parsed = parse_vllm_line(line, stream)
     assert (parsed.level, parsed.proc) == (level, proc)
+
+
+def test_validation_error_keeps_its_reason():
+    tail = ["(APIServer pid=1) ERROR 11-30 23:00:00 [x.py:1] pydantic_core._pydantic_core."
+            "ValidationError: 1 validation error for ModelConfig",
+            "  Value error, Model architectures ['NoSuchModelForCausalLM'] are not supported",
+            "    For further information visit https://errors.pydantic.dev"]
+    v = classify_exit(1, tail)
+    assert v.cause is Cause.CRASH and "NoSuchModelForCausalLM" in v.detail

