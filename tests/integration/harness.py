@@ -6,6 +6,7 @@ JSON lines (``<N>{...}``) that we parse as they arrive.  Every wait has a deadli
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -135,7 +136,7 @@ class Daemon:
         while True:
             try:
                 data = self.sock.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 if self.proc.poll() is not None:
                     return
                 continue
@@ -255,19 +256,13 @@ class Daemon:
         self.descendants()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
         for pid in [self.proc.pid, *self.pids_seen]:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
         self.sock.close()
         if self.proc.stderr:
             self.proc.stderr.close()

@@ -6,13 +6,13 @@ The tests share one daemon (each vLLM start costs ~20-50 s on 2 cores) and run i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
 import threading
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -161,10 +161,8 @@ def test_stopped_engine_core_is_a_hang_and_is_healed(daemon: Daemon) -> None:
         daemon.wait_event("vllm_failed", 10, after=mark, cause="hang")
         daemon.wait_state("ready", START_TIMEOUT, after=mark)
     finally:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             engine.send_signal(signal.SIGCONT)
-        except psutil.NoSuchProcess:
-            pass
     assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
     t.join(30)
 
