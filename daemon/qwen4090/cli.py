@@ -17,7 +17,14 @@ from typing import Any
 from qwen4090 import __version__, logs
 from qwen4090 import config as config_mod
 from qwen4090.config import DEFAULT_CONFIG_PATH, Config, ConfigError
-from qwen4090.policy import EX_CONFIG, EX_SOFTWARE, EXIT_CODES, LEVELS, parse_vllm_line
+from qwen4090.policy import (
+    EX_CONFIG,
+    EX_SOFTWARE,
+    EXIT_CODES,
+    LEVELS,
+    is_probe_access,
+    parse_vllm_line,
+)
 
 # Subcommands: name -> (help, add_arguments, run).  Other modules add theirs with `command`.
 Command = tuple[str, Callable[[argparse.ArgumentParser], None],
@@ -135,6 +142,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     def on_line(stream: str, line: str) -> None:
         parsed = parse_vllm_line(line, stream)
+        if parsed.proc == "uvicorn" and is_probe_access(parsed.message):
+            return  # vLLM's access line for one of our own probes: noise
         sup = holder.get("sup")
         threshold = sup.cfg.log.vllm_level if sup else "info"
         if LEVELS[parsed.level] < LEVELS[threshold]:
@@ -159,10 +168,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     sup = Supervisor(cfg, parts)
     holder["sup"] = sup
+    from qwen4090 import httpapi
+
+    api = httpapi.start(sup, log)  # /status, /metrics, /livez, /readyz on [status] host:port
     signals.install(sup.deliver, wake)
     try:
         while not sup.done:
             sup.step()
+            api.beat()
             wake.wait(sup.next_wakeup(time.monotonic()))
     except Exception as e:
         log.critical("internal_error", error=repr(e))

@@ -150,6 +150,14 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class StatusConfig:
+    enabled: bool = opt(True, "serve /status, /metrics, /livez, /readyz and a status page")
+    host: str = opt("127.0.0.1", "address of the status endpoint (keep it local or behind a "
+                                 "proxy: it has no authentication)")
+    port: int = opt(8090, "port of the status endpoint (never vLLM's port)", min=1, max=65535)
+
+
+@dataclass(frozen=True)
 class Config:
     vllm: VllmConfig = field(default_factory=VllmConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
@@ -157,12 +165,14 @@ class Config:
     restart: RestartConfig = field(default_factory=RestartConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    status: StatusConfig = field(default_factory=StatusConfig)
     # Where the config came from (not a key): the main file and the drop-ins read.
     sources: tuple[str, ...] = field(default=(), compare=False)
 
 
 SECTIONS: dict[str, type] = {"vllm": VllmConfig, "warmup": WarmupConfig, "watch": WatchConfig,
-            "restart": RestartConfig, "stop": StopConfig, "log": LogConfig}
+            "restart": RestartConfig, "stop": StopConfig, "log": LogConfig,
+            "status": StatusConfig}
 
 # Sections whose change needs a new vLLM process; the rest apply live on SIGHUP.
 RESTART_SECTIONS = ("vllm",)
@@ -320,6 +330,10 @@ def _check_relations(cfg: Config, owner: Mapping[str, str], default_file: str | 
             raise ConfigError(owner.get("vllm.env", default_file), f"vllm.env.{name}",
                               "is set by qwen4090 itself; remove it (API key: "
                               "vllm.api_key_file)")
+    st = cfg.status
+    if st.enabled and st.port == v.port:
+        raise ConfigError(owner.get("status.port", default_file), "status.port",
+                          f"found {st.port}, expected a port other than vllm.port ({v.port})")
     r = cfg.restart
     if r.backoff_max < r.backoff_initial:
         raise ConfigError(owner.get("restart.backoff_max", default_file), "restart.backoff_max",

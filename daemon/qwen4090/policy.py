@@ -270,4 +270,21 @@ def parse_vllm_line(line: str, stream: str) -> VllmLine:
     return VllmLine("info", "", line)
 
 
+# uvicorn's access line (after "INFO:     "): '127.0.0.1:54321 - "GET /health HTTP/1.1" 200 OK'
+_ACCESS = re.compile(r'^\S+ - "(?P<method>[A-Z]+) (?P<target>\S+) HTTP/[\d.]+" \d{3}')
+# In the query string of our own completions (canary, warmup): uvicorn logs neither headers nor
+# bodies, so this is how their access lines are told apart from users' requests.
+PROBE_MARKER = "qwen4090-probe"
+_PROBE_PATHS = ("/health", "/metrics")
+
+
+def is_probe_access(message: str) -> bool:
+    """True for vLLM's access line of a probe: /health, /metrics, or a request marked as ours."""
+    m = _ACCESS.match(message)
+    if not m:
+        return False
+    path, _, query = m["target"].partition("?")
+    return path in _PROBE_PATHS or PROBE_MARKER in query
+
+
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from qwen4090.policy import PROBE_MARKER
+
 
 @dataclass(frozen=True)
 class HealthResult:
@@ -116,7 +118,8 @@ class VllmProbe:
         try:
             conn = self._conn(timeout)
             try:
-                conn.request("POST", "/v1/completions", body=body, headers=headers)
+                conn.request("POST", f"/v1/completions?from={PROBE_MARKER}",
+                             body=body, headers=headers)
                 resp = conn.getresponse()
                 if resp.status != 200:
                     text = resp.read(2000).decode("utf-8", "replace")

@@ -1,0 +1,527 @@
+"""The supervisor's own HTTP endpoint: /livez, /readyz, /status, /metrics and a status page.
+
+It decides nothing.  It shows what the supervisor knows: the supervisor's snapshot, the config in
+effect, the last GPU sample and the last vLLM metrics poll, plus what it counted itself from the
+supervisor's events (restarts by cause, hang detections, time to ready).  It listens on its own
+address (``[status]``, default 127.0.0.1:8090), never on vLLM's port, and runs on daemon
+threads, so a stuck client can never hold up the supervisor's loop or its exit.
+
+``/readyz`` answers 200 only in READY.  DEGRADED (vLLM answers but /health fails or tokens stop
+flowing) is 503 on purpose: a balancer with another backend should move traffic away while it
+lasts, and it is also what a client would see as errors or stalls.
+"""
+
+from __future__ import annotations
+
+import html
+import http.server
+import json
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+
+from qwen4090 import __version__
+from qwen4090.config import Config, as_dict
+from qwen4090.policy import Cause
+from qwen4090.probes.http import MetricsResult
+from qwen4090.states import State
+
+# /livez fails when the supervisor's loop has not stepped for this long (it steps every <= 0.5 s).
+LOOP_STALL_SECONDS = 15.0
+# vLLM's gauges and counters worth re-exporting (from the supervisor's own /metrics poll).
+VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+               "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+VLLM_COUNTERS = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total",
+                 "vllm:request_success_total")
+# Config values whose names say they are secrets are never shown.
+_SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSW|CREDENTIAL)", re.I)
+
+
+class SupervisorLike(Protocol):
+    cfg: Config
+    last_metrics: MetricsResult | None
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+
+# --- what we count from the supervisor's events ------------------------------------------------
+
+
+class Telemetry:
+    """A supervisor listener: counts restarts and hangs, times starts, keeps the GPU sample.
+
+    Called on the supervisor's thread; read on the HTTP threads, hence the lock.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.wall = wall
+        self._lock = threading.Lock()
+        self.restarts_by_cause: dict[str, int] = {c.value: 0 for c in Cause}
+        self.hangs = 0
+        self.spawned_at: float | None = None
+        self.time_to_ready: float | None = None  # seconds from spawn to READY, last start
+        self.first_ready_after: float | None = None  # seconds from our start to the first READY
+        self.started_at = clock()
+        self.gpu: dict[str, Any] | None = None
+        self.gpu_at: float | None = None  # monotonic time of the GPU sample
+        self.reload_handlers: list[Callable[[list[str]], None]] = []
+
+    def __call__(self, event: str, fields: dict[str, Any]) -> None:
+        now = self.clock()
+        with self._lock:
+            if event == "transition":
+                if fields.get("to") == State.STARTING.value:
+                    self.spawned_at = now
+                elif fields.get("to") == State.READY.value and fields.get("from") == \
+                        State.WARMING.value and self.spawned_at is not None:
+                    self.time_to_ready = now - self.spawned_at
+                    if self.first_ready_after is None:
+                        self.first_ready_after = now - self.started_at
+            elif event == "restart":
+                cause = str(fields.get("cause", "unknown"))
+                self.restarts_by_cause[cause] = self.restarts_by_cause.get(cause, 0) + 1
+            elif event == "hang":
+                self.hangs += 1
+            elif event == "gpu_sample":
+                self.gpu = dict(fields)
+                self.gpu_at = now
+        if event == "reloaded":
+            for handler in self.reload_handlers:
+                handler(list(fields.get("changed", [])))
+
+    def counts(self) -> dict[str, Any]:
+        with self._lock:
+            return {"restarts_by_cause": dict(self.restarts_by_cause), "hangs": self.hangs,
+                    "time_to_ready_seconds": _round(self.time_to_ready),
+                    "first_ready_after_seconds": _round(self.first_ready_after),
+                    "gpu": None if self.gpu is None else dict(self.gpu),
+                    "gpu_age_seconds": None if self.gpu_at is None
+                    else round(self.clock() - self.gpu_at, 1)}
+
+
+def _round(x: float | None, n: int = 3) -> float | None:
+    return None if x is None else round(x, n)
+
+
+# --- the facts, as one JSON document --------------------------------------------------------
+
+
+def redacted_config(cfg: Config) -> dict[str, Any]:
+    """The config in effect, with values of secret-looking environment names hidden."""
+    out: dict[str, Any] = as_dict(cfg)
+    env = out.get("vllm", {}).get("env", {})
+    for k in env:
+        if _SECRET_NAME.search(k):
+            env[k] = "(hidden)"
+    out["sources"] = list(cfg.sources)
+    return out
+
+
+def status_document(sup: SupervisorLike, telemetry: Telemetry) -> dict[str, Any]:
+    """Everything /status, /metrics and the page show, read once."""
+    snap = _snapshot(sup)
+    cfg = sup.cfg
+    wall = telemetry.wall()
+    counts = telemetry.counts()
+    gpu = counts.pop("gpu")
+    if gpu is None and isinstance(snap.get("gpu"), dict):
+        gpu = snap["gpu"]  # a sampler that reports through the snapshot instead of events
+    metrics = sup.last_metrics
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(cfg.vllm.host,
+                                                                      cfg.vllm.host)
+    return {
+        **snap,
+        "ready": snap.get("state") == State.READY.value,
+        "state_since": _iso(wall - float(snap.get("state_seconds", 0.0))),
+        "supervisor": {"version": __version__, "pid": os.getpid(),
+                       "uptime_seconds": round(telemetry.clock() - telemetry.started_at, 1)},
+        "endpoint": f"http://{_hostport(host, cfg.vllm.port)}/v1",
+        **counts,
+        "gpu": gpu,
+        "vllm_metrics": None if metrics is None or not metrics.ok else {
+            k: v for k, v in metrics.values.items() if k in VLLM_GAUGES + VLLM_COUNTERS},
+        "config": redacted_config(cfg),
+    }
+
+
+def _snapshot(sup: SupervisorLike) -> dict[str, Any]:
+    # The loop may append to its history while we copy it; a retry is enough.
+    for _ in range(5):
+        try:
+            return sup.snapshot()
+        except RuntimeError:
+            continue
+    return sup.snapshot()
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# --- /metrics -------------------------------------------------------------------------------
+
+
+class Collector:
+    """Builds the qwen4090_* families at scrape time from one status document."""
+
+    def __init__(self, document: Callable[[], dict[str, Any]]) -> None:
+        self.document = document
+
+    def describe(self) -> list[Metric]:
+        return []  # families vary (GPU fields); no auto-describe needed
+
+    def collect(self) -> list[Metric]:
+        return metric_families(self.document())
+
+
+def metric_families(doc: Mapping[str, Any]) -> list[Metric]:
+    out: list[Metric] = []
+    info = InfoMetricFamily("qwen4090", "qwen4090 version and the model it serves",
+                            value={"version": str(doc.get("supervisor", {}).get("version", "")),
+                                   "model": str(doc.get("model", ""))})
+    out.append(info)
+    state = GaugeMetricFamily("qwen4090_state", "1 for the supervisor's current state",
+                              labels=["state"])
+    for s in State:
+        state.add_metric([s.value], 1.0 if doc.get("state") == s.value else 0.0)
+    out.append(state)
+    out.append(GaugeMetricFamily("qwen4090_ready", "1 when READY (what /readyz says)",
+                                 value=1.0 if doc.get("ready") else 0.0))
+    out.append(GaugeMetricFamily("qwen4090_state_seconds", "seconds in the current state",
+                                 value=float(doc.get("state_seconds") or 0.0)))
+    restarts = CounterMetricFamily("qwen4090_restarts", "vLLM restarts, by cause",
+                                   labels=["cause"])
+    for cause, n in sorted((doc.get("restarts_by_cause") or {}).items()):
+        restarts.add_metric([cause], float(n))
+    out.append(restarts)
+    out.append(GaugeMetricFamily("qwen4090_failures_in_window",
+                                 "failures counted in the crash-loop window",
+                                 value=float(doc.get("failures_in_window") or 0)))
+    out.append(CounterMetricFamily("qwen4090_hangs", "hangs detected (requests in flight, no "
+                                                     "token progress)",
+                                   value=float(doc.get("hangs") or 0)))
+    if doc.get("time_to_ready_seconds") is not None:
+        out.append(GaugeMetricFamily("qwen4090_time_to_ready_seconds",
+                                     "seconds from launching vLLM to READY, last start",
+                                     value=float(doc["time_to_ready_seconds"])))
+    warmup = doc.get("warmup")
+    if warmup:
+        out.append(GaugeMetricFamily("qwen4090_warmup_ok", "1 if the last warmup succeeded",
+                                     value=1.0 if warmup.get("ok") else 0.0))
+        out.append(GaugeMetricFamily("qwen4090_warmup_seconds", "duration of the last warmup",
+                                     value=float(warmup.get("seconds") or 0.0)))
+        ttft = GaugeMetricFamily("qwen4090_warmup_ttft_seconds",
+                                 "median time to first token in the last warmup, by prompt "
+                                 "length and concurrency", labels=["length", "concurrency"])
+        for row in warmup.get("rows") or []:
+            ttft.add_metric([str(row["length"]), str(row["concurrency"])],
+                            float(row["ttft_ms"]) / 1000.0)
+        out.append(ttft)
+    out.extend(_gpu_families(doc.get("gpu")))
+    vm = doc.get("vllm_metrics")
+    if vm:
+        for name in VLLM_GAUGES:
+            if name in vm:
+                out.append(GaugeMetricFamily(_vllm_name(name), f"vLLM's {name} at the "
+                                                               "supervisor's last poll",
+                                             value=float(vm[name])))
+        for name in VLLM_COUNTERS:
+            if name in vm:
+                out.append(CounterMetricFamily(_vllm_name(name), f"vLLM's {name} at the "
+                                                                 "supervisor's last poll",
+                                               value=float(vm[name])))
+    return out
+
+
+def _vllm_name(name: str) -> str:
+    base = "qwen4090_vllm_" + name.split(":", 1)[1]
+    return base[: -len("_total")] if base.endswith("_total") else base
+
+
+def _metric_word(key: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", key).strip("_").lower()
+
+
+def gpu_list(gpu: Any) -> list[dict[str, Any]]:
+    """A GPU sample as a list of per-GPU dicts: {"gpus": [...]} or one GPU's fields."""
+    if not isinstance(gpu, dict):
+        return []
+    if isinstance(gpu.get("gpus"), list):
+        return [g for g in gpu["gpus"] if isinstance(g, dict)]
+    return [gpu]
+
+
+def _gpu_families(gpu: Any) -> list[Metric]:
+    families: dict[str, GaugeMetricFamily] = {}
+    for i, g in enumerate(gpu_list(gpu)):
+        index = str(g.get("index", i))
+        for key, value in g.items():
+            if key == "index" or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            name = "qwen4090_gpu_" + _metric_word(key)
+            fam = families.get(name)
+            if fam is None:
+                fam = families[name] = GaugeMetricFamily(name, f"GPU sample field {key}",
+                                                         labels=["gpu"])
+            fam.add_metric([index], float(value))
+    return list(families.values())
+
+
+# --- the status page ------------------------------------------------------------------------
+
+_COLORS = {"ready": "#1a7f37", "degraded": "#b35900", "failed": "#cf222e", "restarting": "#cf222e"}
+
+
+def render_html(doc: Mapping[str, Any]) -> str:
+    """A small self-contained page (no scripts, no external files); refreshes every 5 s."""
+    e = html.escape
+    state = str(doc.get("state", "?"))
+    color = _COLORS.get(state, "#0969da")
+
+    def table(head: list[str], rows: list[list[Any]], empty: str) -> str:
+        if not rows:
+            return f"<p class=muted>{e(empty)}</p>"
+        th = "".join(f"<th>{e(h)}</th>" for h in head)
+        body = "".join("<tr>" + "".join(f"<td>{e(_cell(c))}</td>" for c in r) + "</tr>"
+                       for r in rows)
+        return f"<table><tr>{th}</tr>{body}</table>"
+
+    facts: list[list[Any]] = [["state", state], ["reason", doc.get("state_reason")],
+             ["since", f"{doc.get('state_since')} ({doc.get('state_seconds')} s)"],
+             ["model", doc.get("model")], ["endpoint", doc.get("endpoint")],
+             ["vLLM pid", doc.get("child_pid")],
+             ["max_model_len / max_num_seqs", f"{doc.get('max_model_len')} / "
+                                              f"{doc.get('max_num_seqs')}"],
+             ["restarts", f"{doc.get('restarts')} ({doc.get('failures_in_window')} failures in "
+                          f"the crash-loop window)"],
+             ["hangs detected", doc.get("hangs")],
+             ["time to ready (last start)", _secs(doc.get("time_to_ready_seconds"))],
+             ["systemd status", doc.get("status")],
+             ["supervisor", f"qwen4090 {doc.get('supervisor', {}).get('version')} pid "
+                            f"{doc.get('supervisor', {}).get('pid')}"]]
+    warm = doc.get("warmup") or {}
+    wrows = [[r["length"], r["concurrency"], f"{r['ttft_ms']:.1f}", f"{r['ttft_max_ms']:.1f}",
+              f"{r['seconds']:.2f}"] for r in warm.get("rows") or []]
+    gpus = gpu_list(doc.get("gpu"))
+    gkeys = sorted({k for g in gpus for k in g})
+    hist = [[_iso(float(h["wall_time"])), h["cause"], "yes" if h["counted"] else "no",
+             h["detail"]] for h in reversed(doc.get("history") or [])]
+    vm = doc.get("vllm_metrics") or {}
+    config = json.dumps(doc.get("config"), indent=1, sort_keys=True)
+    warm_note = "" if not warm else (f"<p>{'ok' if warm.get('ok') else 'FAILED'} in "
+                                     f"{warm.get('seconds')} s {e(warm.get('error') or '')}</p>")
+    return f"""<!doctype html>
+<html lang=en><head><meta charset=utf-8><meta http-equiv=refresh content=5>
+<meta name=viewport content="width=device-width,initial-scale=1">
+<title>qwen4090: {e(state)}</title>
+<style>
+body{{font:14px/1.4 system-ui,sans-serif;margin:1.5em;max-width:70em;color:#1f2328}}
+h1{{font-size:1.4em}} h2{{font-size:1.1em;margin-top:1.5em}}
+#state{{display:inline-block;padding:.15em .6em;border-radius:.4em;color:#fff;
+background:{color};text-transform:uppercase}}
+table{{border-collapse:collapse}} td,th{{border:1px solid #d0d7de;padding:.2em .6em;
+text-align:left;vertical-align:top}} th{{background:#f6f8fa}} .muted{{color:#656d76}}
+pre{{background:#f6f8fa;padding:.6em;overflow:auto;font-size:12px}}
+</style></head><body>
+<h1>qwen4090 <span id=state data-state="{e(state)}">{e(state)}</span></h1>
+{table(["", ""], facts, "")}
+<h2>Warmup (time to first token, ms)</h2>
+{warm_note}{table(["prompt tokens", "concurrency", "TTFT p50", "TTFT max", "seconds"], wrows,
+                  "no warmup yet")}
+<h2>GPU</h2>
+{table(["gpu", *gkeys], [[i, *[g.get(k, "") for k in gkeys]] for i, g in enumerate(gpus)],
+       "no GPU sample")}
+<h2>vLLM (last poll)</h2>
+{table(["metric", "value"], [[k, v] for k, v in sorted(vm.items())], "no metrics yet")}
+<h2>Restart history</h2>
+{table(["time", "cause", "counted", "detail"], hist, "no restarts")}
+<h2>Config in effect</h2>
+<pre>{e(config)}</pre>
+<p class=muted>Machine-readable: <a href="/status">/status</a> (JSON),
+<a href="/metrics">/metrics</a> (Prometheus), <a href="/readyz">/readyz</a>.</p>
+</body></html>
+"""
+
+
+def _cell(c: Any) -> str:
+    if c is None:
+        return "-"
+    if isinstance(c, float):
+        return f"{c:g}"
+    return str(c)
+
+
+def _secs(x: Any) -> str:
+    return "-" if x is None else f"{float(x):.1f} s"
+
+
+# --- the server -----------------------------------------------------------------------------
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, addr: tuple[str, int], api: StatusApi) -> None:
+        if ":" in addr[0]:
+            self.address_family = socket.AF_INET6
+        self.api = api
+        super().__init__(addr, _Handler)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Server
+    timeout = 10  # a client that stops sending is dropped
+    protocol_version = "HTTP/1.0"
+    server_version = f"qwen4090/{__version__}"
+
+    def do_GET(self) -> None:
+        self.server.api.handle(self)
+
+    def do_HEAD(self) -> None:
+        self.server.api.handle(self, head=True)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # scrapes every few seconds would flood the journal
+
+
+class StatusApi:
+    """The endpoint: owns the HTTP server thread and the metrics registry."""
+
+    def __init__(self, document: Callable[[], dict[str, Any]],
+                 clock: Callable[[], float] = time.monotonic, log: Any = None) -> None:
+        self.document = document
+        self.clock = clock
+        self.log = log
+        self.last_beat = clock()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(Collector(document))
+        # The supervisor's own CPU time and memory (the targets are <= 1% CPU, <= 60 MB RSS).
+        ProcessCollector(registry=self.registry)
+        self.server: _Server | None = None
+        self.thread: threading.Thread | None = None
+
+    # The loop calls this every step: /livez is "the loop stepped recently".
+    def beat(self) -> None:
+        self.last_beat = self.clock()
+
+    def start(self, host: str, port: int) -> None:
+        self.server = _Server((host, port), self)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={
+            "poll_interval": 0.5}, name="qwen4090-status", daemon=True)
+        self.thread.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self.server is not None
+        host, port = self.server.server_address[:2]
+        return str(host), int(port)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    def handle(self, req: _Handler, head: bool = False) -> None:
+        path = req.path.split("?", 1)[0]
+        try:
+            if path == "/livez":
+                stalled = self.clock() - self.last_beat
+                if stalled < LOOP_STALL_SECONDS:
+                    self._send(req, 200, "ok\n", head=head)
+                else:
+                    self._send(req, 503, f"supervisor loop stalled for {stalled:.0f}s\n",
+                               head=head)
+            elif path == "/readyz":
+                doc = self.document()
+                if doc.get("ready"):
+                    self._send(req, 200, "ready\n", head=head)
+                else:
+                    self._send(req, 503, f"{doc.get('state')}: {doc.get('state_reason')}\n",
+                               head=head)
+            elif path == "/status":
+                self._send(req, 200, json.dumps(self.document(), indent=1, default=str) + "\n",
+                           "application/json", head=head)
+            elif path == "/metrics":
+                self._send(req, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST,
+                           head=head)
+            elif path in ("/", "/index.html"):
+                self._send(req, 200, render_html(self.document()), "text/html; charset=utf-8",
+                           head=head)
+            else:
+                self._send(req, 404, "not found: try /, /status, /metrics, /livez, /readyz\n",
+                           head=head)
+        except Exception as e:  # a bug here must not take the endpoint down
+            if self.log is not None:
+                self.log.error("status_endpoint_error", path=path, error=repr(e))
+            self._send(req, 500, f"internal error: {e!r}\n", head=head)
+
+    @staticmethod
+    def _send(req: _Handler, code: int, body: str | bytes,
+              ctype: str = "text/plain; charset=utf-8", head: bool = False) -> None:
+        data = body.encode() if isinstance(body, str) else body
+        req.send_response(code)
+        req.send_header("Content-Type", ctype)
+        req.send_header("Content-Length", str(len(data)))
+        req.send_header("Cache-Control", "no-store")
+        req.end_headers()
+        if not head:
+            req.wfile.write(data)
+
+
+def start(sup: Any, log: Any) -> StatusApi:
+    """Serve the supervisor's status on ``[status]`` host:port (if enabled and free).
+
+    ``sup`` is the Supervisor: its listeners get our Telemetry, and a reload that changes
+    ``[status]`` moves the endpoint.  A port we cannot bind is logged, not fatal: serving the
+    model matters more than showing it.
+    """
+    telemetry = Telemetry(clock=sup.p.clock, wall=sup.p.wall)
+    sup.p.listeners.append(telemetry)
+    api = StatusApi(lambda: status_document(sup, telemetry), clock=sup.p.clock, log=log)
+
+    def bind() -> None:
+        s = sup.cfg.status
+        if not s.enabled:
+            log.info("status_endpoint_off")
+            return
+        try:
+            api.start(s.host, s.port)
+        except OSError as e:
+            log.error("status_endpoint_failed", host=s.host, port=s.port,
+                      error=e.strerror or str(e))
+            return
+        log.info("status_endpoint", url=f"http://{_hostport(s.host, s.port)}/")
+
+    def on_reload(changed: list[str]) -> None:
+        if "status" in changed:
+            api.stop()
+            bind()
+
+    telemetry.reload_handlers.append(on_reload)
+    bind()
+    return api
