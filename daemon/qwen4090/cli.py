@@ -120,7 +120,7 @@ class ThreadRunner:
 
 @command("run", "run the daemon in the foreground (what systemd's ExecStart runs)")(_config_arg)
 def cmd_run(args: argparse.Namespace) -> int:
-    from qwen4090 import child, preflight, signals, warmup
+    from qwen4090 import child, signals, warmup
     from qwen4090.notify import Notifier
     from qwen4090.probes.http import VllmProbe
     from qwen4090.supervisor import Parts, Supervisor
@@ -156,10 +156,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         return VllmProbe(c.vllm.host, c.vllm.port, c.vllm.served_model_name,
                          child.read_api_key(c.vllm, os.environ))
 
+    from qwen4090.gpu import GpuParts
+
+    gpu = GpuParts(log)
+    why = gpu.wait_for_driver(cfg, notifier.extend_timeout)
+    if why:
+        log.error("gpu_driver_not_ready", reason=why, waited=cfg.gpu.driver_wait)
     parts = Parts(
         spawn=lambda c: child.spawn(c, on_line),
         make_probe=make_probe,
-        preflight=preflight.full,
+        preflight=gpu.preflight,
+        adjust_after_failure=gpu.adjust_after_failure,
+        gpu_held=gpu.gpu_held,
+        release_timeout=cfg.gpu.release_timeout,
         warmup=warmup.run,  # type: ignore[arg-type]
         load_config=lambda: config_mod.load(args.config),
         notifier=notifier,
@@ -168,6 +177,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     sup = Supervisor(cfg, parts)
     holder["sup"] = sup
+
+    def on_gpu_fault(detail: str) -> None:  # NVML's thread: queue it and wake the loop
+        sup.report_gpu_fault(detail)
+        wake.wake()
+
+    gpu.start_watch(cfg, on_gpu_fault)
     from qwen4090 import httpapi
 
     api = httpapi.start(sup, log)  # /status, /metrics, /livez, /readyz on [status] host:port
@@ -186,6 +201,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EX_SOFTWARE
     finally:
         signals.restore()
+        gpu.stop_watch()
     code = sup.exit_code if sup.exit_code is not None else EX_SOFTWARE
     log.info("exiting", exit_code=code, state=sup.state.value)
     return code

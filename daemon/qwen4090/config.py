@@ -158,6 +158,38 @@ class StatusConfig:
 
 
 @dataclass(frozen=True)
+class GpuConfig:
+    enabled: str = opt("auto", "GPU checks: auto (when NVML is present), required (wait for the "
+                               "driver, never start without it) or off", choices=("auto",
+                                                                                  "required",
+                                                                                  "off"))
+    device: int = opt(0, "NVML index of the GPU vLLM uses", min=0)
+    driver_wait: float = opt(60.0, "seconds to wait at start for the NVIDIA driver (NVML and "
+                                   "/dev/nvidia-uvm) before giving up", min=0)
+    memory_gib: float = opt(0.0, "plan for this much GPU memory (GiB); 0 = read it from NVML",
+                            min=0)
+    plan_check: str = opt("refuse", "explicit settings the KV-cache plan says cannot fit: "
+                                    "refuse (exit 78), warn, or off",
+                          choices=("refuse", "warn", "off"))
+    oom_ladder: bool = opt(True, "after an out-of-memory exit, restart one rung down (seqs, "
+                                 "then memory share, then context) and remember it")
+    ladder_util_step: float = opt(0.02, "gpu_memory_utilization step of the OOM ladder",
+                                  min=0.005, max=0.2)
+    ladder_min_util: float = opt(0.5, "the OOM ladder never lowers gpu_memory_utilization "
+                                      "below this", min=0.05, max=0.99)
+    ladder_min_len: int = opt(2048, "the OOM ladder never lowers max_model_len below this",
+                              min=16)
+    state_directory: str = opt("", "where learned settings are kept; empty = $STATE_DIRECTORY "
+                                   "(systemd), else /var/lib/qwen4090")
+    release_timeout: float = opt(30.0, "seconds to wait after a stop for the old vLLM's GPU "
+                                       "memory to be released before relaunching", min=0)
+    sample_interval: float = opt(30.0, "seconds between NVML samples (changes are logged); "
+                                       "0 = off", min=0)
+    temperature_warn: int = opt(85, "GPU temperature (C) that is logged as a warning",
+                                min=30, max=120)
+
+
+@dataclass(frozen=True)
 class Config:
     vllm: VllmConfig = field(default_factory=VllmConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
@@ -165,6 +197,7 @@ class Config:
     restart: RestartConfig = field(default_factory=RestartConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
     status: StatusConfig = field(default_factory=StatusConfig)
     # Where the config came from (not a key): the main file and the drop-ins read.
     sources: tuple[str, ...] = field(default=(), compare=False)
@@ -172,7 +205,7 @@ class Config:
 
 SECTIONS: dict[str, type] = {"vllm": VllmConfig, "warmup": WarmupConfig, "watch": WatchConfig,
             "restart": RestartConfig, "stop": StopConfig, "log": LogConfig,
-            "status": StatusConfig}
+            "status": StatusConfig, "gpu": GpuConfig}
 
 # Sections whose change needs a new vLLM process; the rest apply live on SIGHUP.
 RESTART_SECTIONS = ("vllm",)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from qwen4090.config import RestartConfig
 
 EX_OK = 0
+EX_GPU = 69  # EX_UNAVAILABLE: a fatal Xid; the GPU needs a reset or a reboot, not retried
 EX_SOFTWARE = 70  # an internal error of ours
 EX_TEMPFAIL = 75  # crash loop: let systemd's restart policy decide
 EX_CONFIG = 78  # configuration error: never retried (RestartPreventExitStatus=78)
@@ -29,6 +30,7 @@ EXIT_CODES = {
     EX_SOFTWARE: "internal error in qwen4090 (a bug: please report it)",
     EX_TEMPFAIL: "vLLM kept failing: crash-loop budget spent (systemd may restart us)",
     EX_CONFIG: "configuration error (bad key or value, unreadable file); fix it, not retried",
+    EX_GPU: "the GPU reported a fatal Xid error: it needs a reset or a reboot, not retried",
 }
 
 
@@ -47,6 +49,7 @@ class Cause(enum.Enum):
     WARMUP_FAILED = "warmup_failed"
     PREFLIGHT = "preflight"  # something outside vLLM is not ready yet (port busy, ...)
     RELOAD = "reload"  # a controlled restart after SIGHUP changed vLLM settings
+    GPU_FATAL = "gpu_fatal"  # an Xid that needs a GPU reset or a reboot (xid.py)
 
 
 # Causes that are not failures of vLLM: they do not count against the budget.

@@ -26,6 +26,9 @@ class PreflightResult:
     transient: str | None = None  # may heal: retry with backoff
     warnings: list[str] = field(default_factory=list)
     facts: dict[str, object] = field(default_factory=dict)  # for logs and status
+    # The config to launch with, when a check changed it ("auto" limits chosen by the KV-cache
+    # plan, settings learned from OOM restarts); None = the configured one.
+    config: Config | None = None
 
     @property
     def ok(self) -> bool:

@@ -22,6 +22,7 @@ from qwen4090 import states
 from qwen4090.config import AUTO, Config, ConfigError, changed_sections
 from qwen4090.policy import (
     EX_CONFIG,
+    EX_GPU,
     EX_OK,
     EX_TEMPFAIL,
     NOT_FAILURES,
@@ -109,6 +110,13 @@ class Parts:
     rand: random.Random = field(default_factory=random.Random)
     # Called with (event, fields) on transitions, restarts and warmups (metrics, status page).
     listeners: list[Callable[[str, dict[str, Any]], None]] = field(default_factory=list)
+    # GPU parts (gpu.py); the defaults do nothing, so a machine without a GPU runs unchanged.
+    # After an OOM exit: (launch config, verdict, vLLM's last lines) -> what was lowered.
+    adjust_after_failure: Callable[[Config, ExitVerdict, list[str]], list[str] | None] | None \
+        = None
+    # Which of these pids still hold GPU memory (None = released or cannot tell).
+    gpu_held: Callable[[list[int]], str | None] | None = None
+    release_timeout: float = 30.0  # how long a relaunch waits for gpu_held to clear
 
 
 @dataclass
@@ -153,6 +161,11 @@ class Supervisor:
         self.ready_notified = False
         self.ready_since: float | None = None
         self.warmup: WarmupResult | None = None
+        self.launch_cfg = cfg  # what the current vLLM runs with (auto resolved, learned applied)
+        self.exit_tail: list[str] = []
+        self.old_pids: list[int] = []
+        self.gone_at = now
+        self.gpu_faults: deque[str] = deque()  # from the NVML Xid thread: only appends
         self.warmup_progress = ""
         self.last_warmup_step = now
         self.hang = HangDetector(cfg.watch.hang_timeout)
@@ -187,6 +200,7 @@ class Supervisor:
     def step(self, now: float | None = None) -> None:
         now = self.p.clock() if now is None else now
         self.handle_signals(now)
+        self.handle_gpu_faults(now)
         self.harvest(now)
         self.reap(now)
         getattr(self, f"step_{self.state.value}")(now)
@@ -195,7 +209,7 @@ class Supervisor:
     def snapshot(self) -> dict[str, Any]:
         """Facts for status output (JSON-friendly)."""
         now = self.p.clock()
-        v = self.cfg.vllm
+        v = self.launch_cfg.vllm
         return {
             "state": self.state.value,
             "state_reason": self.state_reason,
@@ -337,8 +351,9 @@ class Supervisor:
         if res.transient is not None:
             self.fail(now, ExitVerdict(Cause.PREFLIGHT, res.transient, True))
             return
+        launch = res.config or self.cfg
         try:
-            child = self.p.spawn(self.cfg)
+            child = self.p.spawn(launch)
         except ConfigError as e:
             self.give_up(now, EX_CONFIG, str(e), error=e)
             return
@@ -349,9 +364,10 @@ class Supervisor:
             self.give_up(now, EX_CONFIG, str(err), error=err)
             return
         self.child = child
+        self.launch_cfg = launch
         self.generation += 1
         self.spawned_at = now
-        self.probe = self.p.make_probe(self.cfg)
+        self.probe = self.p.make_probe(launch)
         self.hang.reset()
         self.unhealthy_since = None
         self.requested = None
@@ -398,7 +414,7 @@ class Supervisor:
             return
         self.last_warmup_step = now
         self.warmup_progress = ""
-        cfg, probe = self.cfg, self.probe
+        cfg, probe = self.launch_cfg, self.probe
 
         def progress(msg: str) -> None:
             # Runs on the warmup thread: plain assignments only.
@@ -515,10 +531,14 @@ class Supervisor:
         if self.child is not None:
             if not self.reap_group(now):
                 return
+            self.exit_tail = self.child.tail_lines()
+            self.gone_at = now
             self.child = None
             self.after_child_gone(now)
             return
         if self.restart_at is not None and now >= self.restart_at:
+            if not self.gpu_released(now):
+                return
             self.restart_at = None
             self.transition(now, S.PREFLIGHT, f"restart {self.restarts}")
 
@@ -533,8 +553,11 @@ class Supervisor:
             self.consecutive += 1
         self.emit("restart", {"cause": v.cause.value, "counted": counted})
         if not v.retry:
-            self.give_up(now, EX_CONFIG, f"{v.cause.value}: {v.detail}")
+            code = EX_GPU if v.cause == Cause.GPU_FATAL else EX_CONFIG
+            self.give_up(now, code, f"{v.cause.value}: {v.detail}")
             return
+        if v.cause == Cause.OOM and self.p.adjust_after_failure is not None:
+            self.step_down(v)
         if counted and self.budget.exhausted(now):
             r = self.cfg.restart
             self.give_up(now, EX_TEMPFAIL, f"crash loop: {self.budget.count(now)} failures in "
@@ -547,6 +570,57 @@ class Supervisor:
         self.log.warning("restart_scheduled", cause=v.cause.value, delay=round(delay, 2),
                          restarts=self.restarts, failures_in_window=self.budget.count(now),
                          budget=self.cfg.restart.budget_failures)
+
+    def step_down(self, v: ExitVerdict) -> None:
+        """OOM: one rung down the ladder for the next launch (gpu.py remembers it)."""
+        assert self.p.adjust_after_failure is not None
+        try:
+            changes = self.p.adjust_after_failure(self.launch_cfg, v, self.exit_tail)
+        except Exception as e:
+            self.log.error("oom_step_down_failed", error=repr(e))
+            return
+        if changes:
+            self.log.warning("oom_step_down", changes="; ".join(changes), cause=v.detail)
+            self.emit("oom_step_down", {"changes": changes})
+        else:
+            self.log.error("oom_ladder_exhausted", cause=v.detail,
+                           hint="lower vllm.max_model_len / max_num_seqs, or use a smaller "
+                                "or quantized model")
+
+    def gpu_released(self, now: float) -> bool:
+        """Before a relaunch: the old vLLM's GPU memory is free, or we waited long enough."""
+        if self.p.gpu_held is None or not self.old_pids:
+            return True
+        held = self.p.gpu_held(self.old_pids)
+        waited = round(now - self.gone_at, 2)
+        if held is None:
+            self.log.info("gpu_released", waited=waited)
+        elif waited < self.p.release_timeout:
+            return False
+        else:
+            self.log.warning("gpu_not_released", waited=waited, holders=held,
+                             hint="relaunching anyway; preflight will name what holds memory")
+        self.old_pids = []
+        return True
+
+    def report_gpu_fault(self, detail: str) -> None:
+        """A fatal Xid (called from the NVML thread: only an append)."""
+        self.gpu_faults.append(detail)
+
+    def handle_gpu_faults(self, now: float) -> None:
+        while self.gpu_faults and not self.done:
+            v = ExitVerdict(Cause.GPU_FATAL, self.gpu_faults.popleft(), retry=False)
+            if self.state == S.STOPPING:
+                continue  # stopping anyway
+            if self.state == S.RESTARTING:
+                self.failure = v  # after_child_gone gives up with EX_GPU
+                if self.child is None:
+                    self.restart_at = None
+                    self.give_up(now, EX_GPU, f"{v.cause.value}: {v.detail}")
+            elif self.child is None:
+                self.give_up(now, EX_GPU, f"{v.cause.value}: {v.detail}")
+            else:
+                self.fail(now, v, requested=True)
 
     def step_stopping(self, now: float) -> None:
         if self.child is None:
@@ -606,6 +680,7 @@ class Supervisor:
         self.cancel_tasks()
         self.last_metrics = None
         if self.child is not None:
+            self.old_pids = [self.child.pid, *self.child.group_members()]
             self.begin_kill(now)
         else:
             self.after_child_gone(now)
@@ -679,7 +754,7 @@ class Supervisor:
         self.last_status = status
 
     def status_line(self, now: float, note: str = "") -> str:
-        v = self.cfg.vllm
+        v = self.launch_cfg.vllm
         s = self.state
         secs = int(now - self.state_since)
         tail = f", restarts={self.restarts}"
@@ -715,7 +790,7 @@ class Supervisor:
     def safe_argv(self) -> list[str]:
         from qwen4090.child import render_argv
 
-        return render_argv(self.cfg.vllm)
+        return render_argv(self.launch_cfg.vllm)
 
 
 # Jobs for the executor: each binds its probe now, so a later config cannot change it.

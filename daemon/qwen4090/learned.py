@@ -1,0 +1,112 @@
+"""Settings learned from out-of-memory restarts, kept in the state directory across starts.
+
+A learned value is a ceiling: it replaces "auto" and lowers an explicit setting, never raises
+one.  It belongs to one model on one GPU (a fingerprint of the settings that decide memory use):
+when the fingerprint changes, what was learned no longer applies and is ignored (and said so).
+`qwen4090 reset-learned` forgets it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from qwen4090.config import AUTO, Config
+
+FILE_NAME = "learned.json"
+DEFAULT_STATE_DIR = "/var/lib/qwen4090"
+KEYS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization")
+
+
+def state_dir(cfg: Config, env: dict[str, str] | None = None) -> Path:
+    env = dict(os.environ) if env is None else env
+    if cfg.gpu.state_directory:
+        return Path(cfg.gpu.state_directory)
+    # systemd's StateDirectory= may list several, separated by ':'; the first is ours.
+    sd = env.get("STATE_DIRECTORY", "").split(":")[0]
+    return Path(sd or DEFAULT_STATE_DIR)
+
+
+def fingerprint(cfg: Config, gpu_name: str, gpu_bytes: int) -> dict[str, Any]:
+    v = cfg.vllm
+    return {"model": v.model, "quantization": v.quantization, "dtype": v.dtype,
+            "kv_cache_dtype": v.kv_cache_dtype, "enforce_eager": v.enforce_eager,
+            "gpu": gpu_name, "gpu_gib": round(gpu_bytes / 1024 ** 3, 1)}
+
+
+class LearnedStore:
+    def __init__(self, directory: Path, clock: Any = time.time) -> None:
+        self.dir = Path(directory)
+        self.path = self.dir / FILE_NAME
+        self.clock = clock
+
+    def read(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError):
+            return {}  # unreadable or torn: as if nothing was learned
+        return data if isinstance(data, dict) else {}
+
+    def apply(self, cfg: Config, fp: dict[str, Any]) -> tuple[Config, list[str]]:
+        """cfg with learned ceilings applied, and one line per value applied (or ignored)."""
+        data = self.read()
+        settings = data.get("settings") or {}
+        if not settings:
+            return cfg, []
+        if data.get("fingerprint") != fp:
+            return cfg, [f"ignored learned {', '.join(sorted(settings))}: learned for another "
+                         "model, GPU or dtype"]
+        v = cfg.vllm
+        changes: dict[str, Any] = {}
+        notes = []
+        for key in KEYS:
+            if key not in settings:
+                continue
+            learned = settings[key]
+            current = getattr(v, key)
+            if current == AUTO or (isinstance(current, (int, float)) and learned < current):
+                changes[key] = learned
+                notes.append(f"{key} {current} -> {learned}")
+        if not changes:
+            return cfg, []
+        return dataclasses.replace(cfg, vllm=dataclasses.replace(v, **changes)), notes
+
+    def record(self, key: str, value: float, fp: dict[str, Any], why: str) -> None:
+        data = self.read()
+        if data.get("fingerprint") != fp:
+            data = {}
+        settings = dict(data.get("settings") or {})
+        settings[key] = value
+        history = list(data.get("history") or [])[-19:]
+        history.append({"time": round(self.clock(), 3), "key": key, "value": value, "why": why})
+        self._write({"version": 1, "fingerprint": fp, "settings": settings,
+                     "history": history})
+
+    def reset(self) -> list[str]:
+        settings = sorted(self.read().get("settings") or {})
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        return settings
+
+    def _write(self, data: dict[str, Any]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".learned.", dir=self.dir)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump(data, fh, indent=2, sort_keys=True)
+                fh.write("\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
