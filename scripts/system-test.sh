@@ -106,6 +106,6 @@ NSPAWN_LOG="$W/nspawn.log" timeout --kill-after=30 1200 sh tests/system/nspawn-r
     --bind-ro="$CI:/ci" --bind-ro="$MODEL:/ci/tiny-model" --bind-ro="$VENV:/opt/qwen4090/venv" \
     --bind="$W/guest-out:/out" \
     -- bash /ci/in-guest.sh || rc=$?
-[ $rc = 0 ] || echo "the guest's journal: $W/guest-out/journal.txt"
+echo "the guest's journal: $W/guest-out/journal.txt"
 step "done: exit $rc"
 exit $rc

@@ -29,8 +29,9 @@ finish() {
         echo "--- journal of qwen4090 (last 60 lines) ---"
         journalctl -u qwen4090 -b --no-pager -n 60 -o short-monotonic 2>/dev/null || true
     fi
-    # The whole journal for a post-mortem, when the runner gave us a writable /out.
+    # The whole journal, for a post-mortem, when the runner gave us a writable /out.
     [ -d /out ] && [ -w /out ] && journalctl -b --no-pager -o short-monotonic >/out/journal.txt 2>&1
+    [ -d /out ] && [ -w /out ] && journalctl -b --no-pager -o json >/out/journal.json 2>&1
     echo "in-guest tests took $(elapsed "$T0")"
     echo "$PASS passed, $FAIL failed"
     [ "$FAIL" -eq 0 ] && [ "$rc" -eq 0 ] && exit 0
@@ -69,25 +70,10 @@ sys.exit(0 if run and max(run) > 0 else 1)
 PY
 }
 user_pids() { pgrep -u "$U" 2>/dev/null | sort -n | tr '\n' ' '; }
-no_has() { # has TEXT NEEDLE...: TEXT contains every NEEDLE
-    local text=$1 n; shift
-    for n in "$@"; do case $text in *"$n"*) ;; *) return 1 ;; esac; done
-}
-new_lines() { journalctl -u qwen4090 --after-cursor="$1" -o cat --no-pager 2>/dev/null; }
-new_lines_match() { new_lines "$1" | grep -q -- "$2"; }
-vllm_pid() { pgrep -u "$U" -f vllm.entrypoints 2>/dev/null | head -n1; }
-requests_running() { # vLLM's own gauge, from /metrics (not behind the API key)
-    python3 - "$PORT" <<'PY'
-import sys, urllib.request
-try:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
-except Exception:
-    sys.exit(1)
-run = [float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith("vllm:num_requests_running")]
-sys.exit(0 if run and max(run) > 0 else 1)
-PY
-}
-user_pids() { [ -z "$(user_pids)" ]; }
+no_user_pids() { [ -z "$(user_pids)" ]; }
+some_user_pids() { [ -n "$(user_pids)" ]; }
+state_in() { local s x; s=$(prop ActiveState); for x; do [ "$s" = "$x" ] && return 0; done; return 1; }
+restarts_not() { [ "$(prop NRestarts)" != "$1" ]; }
 # One request: prints "HTTP_STATUS COMPLETION_TOKENS" (000 when nothing answered).
 complete() { # complete MAX_TOKENS [KEY]
     python3 - "$PORT" "$1" "${2:-}" <<'PY'
@@ -247,7 +233,10 @@ check "systemctl start returned after $dt with the unit active" test "$(prop Act
 check "activating (not active) for as long as systemctl start waited${early:+ (active early: $early)}" \
     test -z "$early"
 note "STATUS= states seen while starting: $seen"
-check "STATUS= went through loading and warming before READY" has "$seen" "loading;" "warming;"
+check "STATUS= said loading while systemctl start waited" has "$seen" "loading;"
+order=$(new_lines "$c" | grep -n -e 'to=warming' -e warmup_finished -e ready_notified | cut -d: -f1 | tr '\n' ' ')
+check "journal order: warming, warmup_finished, then ready_notified (lines $order)" \
+    sh -c "set -- $order; [ \$# -ge 3 ] && [ \$1 -lt \$2 ] && [ \$2 -lt \$3 ]"
 check "systemctl status shows the STATUS line: $txt" \
     has "$(systemctl status qwen4090 --no-pager 2>/dev/null)" "Status: \"$txt\"" "Status: \"ready:"
 r=$(complete 8 "$KEY")
@@ -300,9 +289,12 @@ printf '[watch]\npoll_interval = "fast"\n' >/etc/qwen4090/conf.d/70-broken.toml
 c=$(cursor)
 systemctl reload qwen4090
 wait_for 20 new_lines_match "$c" reload_refused
-line=$(journalctl -u qwen4090 --after-cursor="$c" -p err -o cat --no-pager | grep -m1 reload_refused || true)
-check "broken config on reload: an error line names the file and the key" \
+line=$(new_lines "$c" | grep -m1 reload_refused || true)
+prio=$(journalctl -u qwen4090 --after-cursor="$c" -o json --no-pager | grep -m1 reload_refused |
+       python3 -c 'import json, sys; print(json.loads(sys.stdin.read() or "{}").get("PRIORITY", "?"))')
+check "broken config on reload: a line names the file and the key" \
     has "$line" 70-broken.toml watch.poll_interval
+check "... at error priority (PRIORITY=$prio)" test "$prio" = 3
 note "$line"
 wait_for 20 state_in active
 r=$(complete 4 "$KEY")
@@ -331,7 +323,7 @@ r=$(complete 4 "$KEY")
 check "serves again ($r)" test "$r" = "200 4"
 
 echo "== stop drains and leaves no process"
-complete 400 "$KEY" >/tmp/inflight.out &
+complete 1500 "$KEY" >/tmp/inflight.out &
 INFLIGHT=$!
 wait_for 20 requests_running
 check "a request is in flight when the stop begins" requests_running
@@ -340,7 +332,7 @@ timeout 180 systemctl stop qwen4090
 dt=$(elapsed "$ts")
 wait $INFLIGHT
 check "that request finished, all its tokens served: $(cat /tmp/inflight.out)" \
-    test "$(cat /tmp/inflight.out)" = "200 400"
+    test "$(cat /tmp/inflight.out)" = "200 1500"
 check "stopped after $dt, clean exit (Result=$(prop Result), status $(prop ExecMainStatus))" \
     test "$(prop ActiveState)/$(prop Result)/$(prop ExecMainStatus)" = inactive/success/0
 check "no process of $U left ($(user_pids))" no_user_pids
