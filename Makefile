@@ -10,3 +10,13 @@ deb:
 
 system-test:
 	bash scripts/system-test.sh
+
+# --- core (issue 2): the README's two commands -------------------------------------------
+# make demo  -> set up and serve the tiny model on the CPU vLLM under the supervisor
+# make test  -> the whole test command (.ci/run runs the same script)
+.PHONY: demo test
+demo:
+	bash scripts/demo.sh
+
+test:
+	bash scripts/test.sh

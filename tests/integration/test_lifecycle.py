@@ -29,8 +29,11 @@ POLL = 1.0
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tmp = tmp_path_factory.mktemp("lifecycle")
     port = free_port()
+    # canary_timeout > hang window: a canary caught by the SIGSTOP cannot win the race
+    # against the progress-based hang verdict this module measures.
     cfg = write_toml(tmp / "qwen4090.toml", cpu_config(port, watch={
-        "hang_timeout": HANG_TIMEOUT, "poll_interval": POLL}))
+        "hang_timeout": HANG_TIMEOUT, "poll_interval": POLL, "canary_timeout": 30.0},
+        status={"enabled": False}))
     (tmp / "conf.d").mkdir()
     d = Daemon(cfg, tmp)
     d.port = port  # type: ignore[attr-defined]
@@ -105,6 +108,9 @@ def test_sighup_supervisor_setting_applies_live(daemon: Daemon) -> None:
     daemon.wait_for(lambda: daemon.event("canary_ok", daemon.events.index(first) + 1), 10,
                     "a second canary")
     drop.unlink()
+    m3 = daemon.mark()
+    daemon.signal(signal.SIGHUP)
+    assert daemon.wait_event("reloaded", 20, after=m3)["changed"] == "watch"
 
 
 def test_killed_engine_core_is_healed(daemon: Daemon) -> None:
@@ -113,10 +119,14 @@ def test_killed_engine_core_is_healed(daemon: Daemon) -> None:
     old_tree = {p.pid for p in daemon.descendants()}
     mark = daemon.mark()
     engine.send_signal(signal.SIGKILL)
-    exited = daemon.wait_event("child_exited", 60, after=mark)
-    # The API server notices its engine died and exits with code 0: still a failure.
-    assert exited["code"] == 0 and exited["cause"] == "exit_0"
-    daemon.wait_event("restart_scheduled", 60, after=mark, cause="exit_0")
+    failed = daemon.wait_event("vllm_failed", 60, after=mark)
+    # The API server notices its engine died and exits with code 0 (still a failure), unless
+    # an idle canary got a 500 from it first: both end in a restart.
+    assert failed["cause"] in ("exit_0", "canary"), failed
+    exited = daemon.event("child_exited", mark)
+    if exited is not None:
+        assert exited["code"] == 0 and exited["cause"] == "exit_0"
+    daemon.wait_event("restart_scheduled", 60, after=mark, cause=failed["cause"])
     daemon.wait_state("ready", START_TIMEOUT, after=mark)
     assert daemon.last_child_pid() != old_pid
     assert not [p for p in old_tree if psutil.pid_exists(p)
@@ -132,8 +142,8 @@ def test_stopped_engine_core_is_a_hang_and_is_healed(daemon: Daemon) -> None:
     def long_request() -> None:
         try:
             results.append(complete(port, prompt=[500] * 16, max_tokens=2000, timeout=120))
-        except Exception as e:  # the stream dies with the engine
-            results.append(e)
+        except Exception as e:  # the request dies with the engine; keep no socket alive
+            results.append(repr(e))
 
     t = threading.Thread(target=long_request, daemon=True)
     t.start()
