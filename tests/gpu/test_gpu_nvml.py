@@ -1,0 +1,104 @@
+"""NVML on a real GPU: memory, samples, processes (another holder named), Xid events, the
+boot wait, and the plan read from NVML.  No vLLM start: about 20 s."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lab
+import pytest
+
+from qwen4090 import gpu
+from qwen4090.config import load
+from qwen4090.preflight import PreflightResult
+from qwen4090.probes import nvml
+
+pytestmark = pytest.mark.gpu
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, dict[str, Any]]] = []
+
+    def __getattr__(self, level: str) -> Any:
+        return lambda event, **kw: self.events.append((level, event, kw))
+
+
+def test_memory_sample_driver_and_xid_watch() -> None:
+    assert nvml.wait_for_driver(5.0) is None
+    m = nvml.memory(0)
+    assert not isinstance(m, str) and m.total > 0
+    out: dict[str, Any] = {"name": m.name, "total_mib": m.total // 2**20,
+                           "reserved_mib": m.reserved // 2**20, "used_mib": m.used // 2**20,
+                           "usable_gib": round(m.usable / 2**30, 3)}
+    try:
+        import torch
+
+        _free, total = torch.cuda.mem_get_info()
+        out["cuda_total_gib"] = round(total / 2**30, 3)
+    except Exception as e:  # torch is in the image; if not, say so
+        out["cuda_total_gib"] = f"n/a: {e}"
+    s = nvml.sample(0)
+    assert not isinstance(s, str)
+    out["sample"] = s.fields()
+    log = Log()
+    w = nvml.GpuWatch(0, 0.5, 85, log, on_xid=lambda code: None)
+    w.start()
+    time.sleep(2.0)
+    w.stop()
+    out["watch_events"] = [(lvl, e, kw) for lvl, e, kw in log.events]
+    names = [e for _, e, _ in log.events]
+    assert "gpu_sample" in names
+    assert "xid_watch_started" in names or "xid_events_unavailable" in names
+    lab.save("nvml", out)
+
+
+def test_another_process_holding_memory_is_named(tmp_path: Path) -> None:
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import torch,time,sys; x=torch.empty(4*2**30, dtype=torch.uint8,"
+                               " device='cuda'); print('ok', flush=True); time.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ok"
+        procs = nvml.processes(0)
+        assert not isinstance(procs, str)
+        mine = [p for p in procs if p.pid == holder.pid]
+        cfg = load(lab.write_config(tmp_path / "q.toml"))
+        parts = gpu.GpuParts(Log(), env={})
+        res = PreflightResult()
+        parts.check_gpu(cfg, res)
+        t_kill = time.monotonic()
+        holder.kill()
+        holder.wait()
+        released = lab.wait_until(lambda: parts.gpu_held([holder.pid]) is None, 30, 0.05)
+        out = {"nvml_processes": [p.describe() for p in procs],
+               "holder_listed": bool(mine), "preflight_warnings": res.warnings,
+               "preflight_transient": res.transient,
+               "released_after_kill_s": round(time.monotonic() - t_kill, 3),
+               "released": released}
+        lab.save("other_process", out)
+        assert mine, f"NVML does not list pid {holder.pid}: {procs}"
+        assert any(f"pid {holder.pid}" in w for w in res.warnings)
+        assert released
+    finally:
+        holder.kill()
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
+
+
+def test_plan_from_nvml(tmp_path: Path) -> None:
+    conf = lab.write_config(tmp_path / "q.toml")
+    r = subprocess.run([sys.executable, "-m", "qwen4090", "plan", "-c", str(conf), "--json"],
+                       capture_output=True, text=True, env=lab.py_env())
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    text = subprocess.run([sys.executable, "-m", "qwen4090", "plan", "-c", str(conf)],
+                          capture_output=True, text=True, env=lab.py_env()).stdout
+    lab.save("plan_nvml", {"json": plan, "text": text})
+    assert plan["kv_bytes_per_token"] == 163_840 and plan["fits"]
