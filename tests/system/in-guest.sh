@@ -209,9 +209,17 @@ printf '[vllm]\napi_key_file = "/etc/qwen4090/api_key"\n' >/etc/qwen4090/conf.d/
 refused "API key file with loose permissions" /etc/qwen4090/api_key "chmod 600"
 printf '[watch]\npoll_intervall = 3\n' >/etc/qwen4090/conf.d/90-bad.toml
 refused "unknown key" /etc/qwen4090/conf.d/90-bad.toml watch.poll_intervall "did you mean"
+# The per-GPU template: an instance without its config is refused the same way.
+timeout 60 systemctl start qwen4090@gpu0 2>/dev/null
+line=$(journalctl -u qwen4090@gpu0 -o cat --no-pager | grep -m1 '^qwen4090: config error:' || true)
+st=$(for p in SubState ExecMainStatus NRestarts; do systemctl show -p $p --value qwen4090@gpu0; done | paste -sd/ -)
+check "qwen4090@gpu0 without /etc/qwen4090/instances/gpu0.toml: refused, no restart (SubState/status/NRestarts $st)" \
+    test "$st" = failed/78/0
+check "... naming the instance's config file" has "$line" /etc/qwen4090/instances/gpu0.toml "file not found"
+note "$line"
 rm -f /etc/qwen4090/conf.d/90-bad.toml /etc/qwen4090/api_key
 rm -rf /srv/private-model
-check "check-config as $U passes with the CI drop-in" runuser -u $U -- qwen4090 check-config
+check "check-config as $U passes with the CI drop-in" sh -c "runuser -u $U -- qwen4090 check-config >/tmp/check-config.out"
 systemctl reset-failed qwen4090
 
 echo "== start: returns only after READY=1"
