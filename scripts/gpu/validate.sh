@@ -20,6 +20,11 @@ if ! python3 -c 'import structlog' 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || { echo "cannot install .whl/*.whl"; exit 1; }
 fi
+# --quantization fp8 needs compressed-tensors and loguru (the kit carries them as fallbacks)
+if ! python3 -c 'import compressed_tensors, loguru' 2>/dev/null && [ -d /tmp/vllm_lab/bundle/whl_extra ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile \
+    /tmp/vllm_lab/bundle/whl_extra/compressed_tensors-*.whl /tmp/vllm_lab/bundle/whl_extra/loguru-*.whl
+fi
 export PYTHONPATH=$PWD/daemon:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1

@@ -65,7 +65,8 @@ def test_raw_vllm_serve_without_warmup(tmp_path: Path) -> None:
     lab.RESULTS.mkdir(parents=True, exist_ok=True)
     proc.start()
     try:
-        assert lab.wait_until(lambda: _health(), 540, 0.25), "no /health 200"
+        assert lab.wait_until(lambda: _health() or proc.p.poll() is not None, 540, 0.25)
+        assert proc.p.poll() is None, f"vLLM exited {proc.p.returncode}: {proc.lines[-3:]}"
         t_health = proc.elapsed()
         first = lab.ttft_series(seed=1)  # the very first requests: no warmup ran
         warm = lab.ttft_series(seed=2)
