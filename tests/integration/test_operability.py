@@ -49,7 +49,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Any:
     vllm_port = _port(range(18340, 18360))
     status_port = _port(range(18360, 18380))
     cfg = write_toml(tmp / "qwen4090.toml", cpu_config(
-        vllm_port, status={"port": status_port},
+        vllm_port, status={"enabled": True, "port": status_port},
         warmup={"lengths": [1, 16, 256], "concurrency": [1, 4]},
         watch={"poll_interval": 1.0, "canary_interval": 3.0}))
     d = Daemon(cfg, tmp)
