@@ -346,7 +346,7 @@ class Supervisor:
         for w in res.warnings:
             self.log.warning("preflight_warning", detail=w)
         if res.fatal is not None:
-            self.give_up(now, EX_CONFIG, str(res.fatal), error=res.fatal)
+            self.give_up(now, EX_CONFIG, str(res.fatal))
             return
         if res.transient is not None:
             self.fail(now, ExitVerdict(Cause.PREFLIGHT, res.transient, True))
@@ -355,13 +355,13 @@ class Supervisor:
         try:
             child = self.p.spawn(launch)
         except ConfigError as e:
-            self.give_up(now, EX_CONFIG, str(e), error=e)
+            self.give_up(now, EX_CONFIG, str(e))
             return
         except OSError as e:
             err = ConfigError(self.cfg.sources[0] if self.cfg.sources else None,
                               "vllm.command", f"cannot start {self.cfg.vllm.command[0]}: "
                                               f"{e.strerror or e}")
-            self.give_up(now, EX_CONFIG, str(err), error=err)
+            self.give_up(now, EX_CONFIG, str(err))
             return
         self.child = child
         self.launch_cfg = launch
@@ -710,7 +710,7 @@ class Supervisor:
             return True
         return False
 
-    def give_up(self, now: float, code: int, why: str, error: ConfigError | None = None) -> None:
+    def give_up(self, now: float, code: int, why: str) -> None:
         self.exit_code = code
         self.log.critical("giving_up", exit_code=code, reason=why)
         self.transition(now, S.FAILED, why)

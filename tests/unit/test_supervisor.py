@@ -423,7 +423,7 @@ def test_sighup_with_broken_config_keeps_serving():
 
 def test_sighup_supervisor_setting_applies_live():
     h = Harness()
-    new = from_dict({**{k: {} for k in ()}, "watch": {"hang_timeout": 3.0, "poll_interval": 1.0},
+    new = from_dict({"watch": {"hang_timeout": 3.0, "poll_interval": 1.0},
                      "restart": {"backoff_initial": 1.0, "backoff_max": 4.0, "jitter": 0.0,
                                  "budget_failures": 3, "budget_window": 600.0},
                      "stop": {"drain_timeout": 5.0, "term_timeout": 3.0}})
