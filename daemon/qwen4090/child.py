@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 
+from qwen4090 import oomscore
 from qwen4090.config import AUTO, Config, VllmConfig, read_secret
 from qwen4090.notify import child_environment
 
@@ -103,6 +104,9 @@ class VllmChild:
             stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
         self.pid = self.proc.pid
         self.pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
+        # hook (H4 pkg, issue 9 item 8): vLLM more killable than the supervisor; a failure
+        # leaves the inherited value (the OOM kill then picks by size, vLLM still first).
+        oomscore.raise_for(self.pid)
         self._readers = [
             threading.Thread(target=self._pump, args=(self.proc.stdout, "stdout"),
                              name=f"vllm-stdout-{self.pid}", daemon=True),

@@ -154,7 +154,8 @@ class StatusConfig:
     enabled: bool = opt(True, "serve /status, /metrics, /livez, /readyz and a status page")
     host: str = opt("127.0.0.1", "address of the status endpoint (keep it local or behind a "
                                  "proxy: it has no authentication)")
-    port: int = opt(8090, "port of the status endpoint (never vLLM's port)", min=1, max=65535)
+    port: int = opt(8090, "port of the status endpoint (never vLLM's port); when unset, "
+                          "vllm.port + 90", min=1, max=65535)
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,8 @@ class GpuConfig:
                                "driver, never start without it) or off", choices=("auto",
                                                                                   "required",
                                                                                   "off"))
-    device: int = opt(0, "NVML index of the GPU vLLM uses", min=0)
+    device: int = opt(0, "NVML index of the GPU vLLM uses; when unset, the first index in "
+                         "vllm.env.CUDA_VISIBLE_DEVICES", min=0)
     driver_wait: float = opt(60.0, "seconds to wait at start for the NVIDIA driver (NVML and "
                                    "/dev/nvidia-uvm) before giving up", min=0)
     memory_gib: float = opt(0.0, "plan for this much GPU memory (GiB); 0 = read it from NVML",
@@ -287,6 +289,12 @@ def from_dict(raw: Mapping[str, Any], owner: Mapping[str, str] | None = None,
             values[key] = _check(file, dotted, value, hints[key], known[key].metadata)
         sections[name] = cls(**values)
     cfg = Config(**sections, sources=sources)
+    # --- hook (H4 pkg, issue 9 item 12): status.port and gpu.device derived from vllm.* ---
+    from qwen4090 import derived
+
+    given = {f"{name}.{key}" for name, table in raw.items() for key in table}
+    cfg = derived.apply(cfg, given, owner, default_file)
+    # --- end hook
     _check_relations(cfg, owner, default_file)
     return cfg
 

@@ -24,10 +24,19 @@ DEFAULT_STATE_DIR = "/var/lib/qwen4090"
 KEYS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization")
 
 
+INSTANCES_DIR_NAME = "instances"
+
+
 def state_dir(cfg: Config, env: dict[str, str] | None = None) -> Path:
     env = dict(os.environ) if env is None else env
     if cfg.gpu.state_directory:
         return Path(cfg.gpu.state_directory)
+    # qwen4090@NAME reads /etc/qwen4090/instances/NAME.toml and has StateDirectory=qwen4090/NAME:
+    # derived from the config file, so `plan -c`/`reset-learned -c` from a shell (no
+    # $STATE_DIRECTORY) read the same learned.json as the instance's daemon (H4 pkg, issue 9).
+    main = Path(cfg.sources[0]) if cfg.sources else None
+    if main is not None and main.parent.name == INSTANCES_DIR_NAME and main.suffix == ".toml":
+        return Path(DEFAULT_STATE_DIR) / main.stem
     # systemd's StateDirectory= may list several, separated by ':'; the first is ours.
     sd = env.get("STATE_DIRECTORY", "").split(":")[0]
     return Path(sd or DEFAULT_STATE_DIR)

@@ -103,7 +103,14 @@ def check_port(cfg: Config, res: PreflightResult) -> None:
                 res.transient = f"cannot bind {host}:{port}: {e.strerror}"
 
 
-STATIC_CHECKS: list[Check] = [check_model, check_command, check_api_key]
+def check_runtime_version(cfg: Config, res: PreflightResult) -> None:
+    """Warning only (H4 pkg, issue 9 item 13): the runtime's vLLM is not the pinned version."""
+    from qwen4090 import provision
+
+    provision.check_runtime_version(cfg, res)
+
+
+STATIC_CHECKS: list[Check] = [check_model, check_command, check_api_key, check_runtime_version]
 
 
 def run_checks(cfg: Config, checks: Sequence[Check]) -> PreflightResult:

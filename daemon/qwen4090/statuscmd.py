@@ -32,6 +32,18 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
 
 
+def runtime_note(args: argparse.Namespace) -> str | None:
+    """A warning when the runtime's vLLM is not the pinned version (None when it is, or when
+    the config cannot be read: endpoint() says that)."""
+    from qwen4090 import provision
+
+    try:
+        cfg = config_mod.load(args.config)
+    except ConfigError:
+        return None
+    return provision.version_warning(cfg.vllm.command)
+
+
 def endpoint(args: argparse.Namespace) -> tuple[str, int, str | None]:
     """(host, port, a note when the config could not be read and defaults are used)."""
     if args.url:
@@ -137,6 +149,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     host, port, note = endpoint(args)
     if note:
         print(f"qwen4090: {note}", file=sys.stderr)
+    runtime = None if args.url else runtime_note(args)
+    if runtime:
+        print(f"qwen4090: warning: {runtime}", file=sys.stderr)
     try:
         doc = fetch(host, port, args.timeout)
     except (OSError, http.client.HTTPException, ValueError) as e:
