@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: shared support code
-import unitfile  # noqa: E402
+import unitfile
 
 pytestmark = pytest.mark.gpu
 

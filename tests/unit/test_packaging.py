@@ -14,9 +14,10 @@ import pytest
 
 from qwen4090 import cli
 from qwen4090.policy import EXIT_CODES
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: shared support code
-import unitfile  # noqa: E402
-from unitfile import Node  # noqa: E402
+import unitfile
+from unitfile import Node
 
 ROOT = Path(__file__).resolve().parents[2]
 # packaging/debian in the repository; debian/ in the source package (autopkgtest)
@@ -156,7 +157,8 @@ def test_template_instances_do_not_share_state_home_or_cache() -> None:
     s = dict(unitfile.parse_unit(unitfile.shipped_unit("qwen4090@.service"))["Service"])
     env = dict(kv.split("=", 1) for kv in s["Environment"].split())
     assert s["StateDirectory"] == "qwen4090/%i" and env["HOME"] == "/var/lib/qwen4090/%i"
-    assert s["CacheDirectory"] == "qwen4090/%i" and env["VLLM_CACHE_ROOT"] == "/var/cache/qwen4090/%i"
+    assert s["CacheDirectory"] == "qwen4090/%i"
+    assert env["VLLM_CACHE_ROOT"] == "/var/cache/qwen4090/%i"
     assert s["LoadCredential"] == "api_key:qwen4090-%i.api_key"
 
 
