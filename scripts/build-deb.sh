@@ -2,12 +2,28 @@
 # Build dist/qwen4090_<version>_all.deb from the working tree (make deb).
 # The repo's top level stays as it is: this copies the sources and packaging/debian into
 # build/deb/qwen4090-<version>/ and runs dpkg-buildpackage there (debhelper + pybuild).
-# Needs: debhelper dh-python pybuild-plugin-pyproject python3-all python3-setuptools
-# (scripts/system-test.sh installs them). Prints the path of the .deb on its last line.
+# Needs dpkg-dev and the Build-Depends of packaging/debian/control (debhelper dh-python
+# pybuild-plugin-pyproject python3-all python3-setuptools, build-essential); when some are
+# missing it lists them all with the apt-get (or mk-build-deps) line and stops.
+# scripts/system-test.sh installs them. Prints the path of the .deb on its last line.
 set -eu
 cd "$(dirname "$0")/.."
 # Debian's python3 first: a pyenv/venv python3 on PATH breaks pybuild ("No module named build").
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin
+# Say at once everything that is missing (a fresh Debian 12 lacks most of it), not one tool
+# per failed run.
+command -v dpkg-checkbuilddeps >/dev/null 2>&1 || {
+    echo "build-deb: dpkg-dev is not installed; run: sudo apt-get install --no-install-recommends" \
+         "dpkg-dev, then make deb again (it will list the rest)" >&2; exit 1; }
+if ! unmet=$(dpkg-checkbuilddeps packaging/debian/control 2>&1); then
+    pkgs=$(echo "$unmet" | sed -n 's/.*Unmet build dependencies: //p' | sed -e 's/([^)]*)//g' \
+        -e 's/:native//g' -e 's/|[^ ]*//g' | tr -s ' ')
+    echo "build-deb: missing build dependencies: $pkgs" >&2
+    echo "build-deb: install them with:  sudo apt-get install --no-install-recommends $pkgs" >&2
+    echo "build-deb: (or: sudo apt-get install devscripts equivs && sudo mk-build-deps -i -r -t" \
+         "'apt-get -y --no-install-recommends' packaging/debian/control)" >&2
+    exit 1
+fi
 VERSION=$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml)
 DEBVERSION=$(dpkg-parsechangelog -l packaging/debian/changelog -S Version)
 [ "$VERSION" = "$DEBVERSION" ] || {

@@ -91,9 +91,14 @@ def installed_version(venv: Path, package: str, run: Callable[..., subprocess.Co
     return res.stdout.strip() or None
 
 
+def venv_argv(python: str, venv: Path, system_site_packages: bool = False) -> list[str]:
+    return [python, "-m", "venv", *(["--system-site-packages"] if system_site_packages else []),
+            str(venv)]
+
+
 def install_runtime(venv: Path, package: str, version: str, wheelhouse: Path | None,
                     python: str, pip_args: Sequence[str] = (), runner: Runner = _run,
-                    force: bool = False) -> str:
+                    force: bool = False, system_site_packages: bool = False) -> str:
     """Create `venv` with `python` and install package==version. Returns what was done."""
     if wheelhouse is not None and not wheelhouse.is_dir():
         raise ProvisionError(f"--wheelhouse {wheelhouse}: not a directory; copy the wheels "
@@ -104,7 +109,7 @@ def install_runtime(venv: Path, package: str, version: str, wheelhouse: Path | N
     created = not venv.exists()
     if created:
         venv.parent.mkdir(parents=True, exist_ok=True)
-        if runner([python, "-m", "venv", str(venv)]) != 0:
+        if runner(venv_argv(python, venv, system_site_packages)) != 0:
             shutil.rmtree(venv, ignore_errors=True)
             raise ProvisionError(f"{python} -m venv {venv} failed; on Debian/Ubuntu install "
                                  "python3-venv")
@@ -205,6 +210,9 @@ def _add_install_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pip-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for pip install (repeat), e.g. --pip-arg=--find-links=D")
     p.add_argument("--force", action="store_true", help="reinstall even if the version matches")
+    p.add_argument("--system-site-packages", action="store_true",
+                   help="let the venv see the interpreter's packages (e.g. a torch built for "
+                        "this machine that the wheelhouse does not carry)")
 
 
 @command("install-runtime", "create vLLM's runtime venv (default /opt/qwen4090/venv)")(
@@ -212,7 +220,8 @@ def _add_install_args(p: argparse.ArgumentParser) -> None:
 def cmd_install_runtime(args: argparse.Namespace) -> int:
     try:
         done = install_runtime(args.venv, args.package, args.vllm_version, args.wheelhouse,
-                               args.python or default_python(), args.pip_arg, force=args.force)
+                               args.python or default_python(), args.pip_arg, force=args.force,
+                               system_site_packages=args.system_site_packages)
     except ProvisionError as e:
         _say(f"install-runtime: {e}")
         return EX_FAILED

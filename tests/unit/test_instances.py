@@ -140,3 +140,20 @@ def test_status_command_warns_on_a_version_mismatch(tmp_path: Path,
     assert cli.main(["status", "-c", str(f), "--timeout", "0.5"]) == 3
     err = capsys.readouterr().err
     assert "warning:" in err and "pinned to" in err
+
+
+def test_install_runtime_can_see_the_system_site_packages(tmp_path: Path) -> None:
+    calls: list[list[str]] = []
+
+    def runner(argv: list[str]) -> int:
+        calls.append(list(argv))
+        if argv[1:3] == ["-m", "venv"]:
+            write(Path(argv[-1]) / "bin/python", "")
+        return 0
+
+    provision.install_runtime(tmp_path / "v", "vllm", "0.26.0", tmp_path, "/usr/bin/python3",
+                              ["--no-deps"], runner=runner,  # type: ignore[arg-type]
+                              system_site_packages=True)
+    assert calls[0] == ["/usr/bin/python3", "-m", "venv", "--system-site-packages",
+                        str(tmp_path / "v")]
+    assert calls[1][-4:] == ["--find-links", str(tmp_path), "--no-deps", "vllm==0.26.0"]
