@@ -17,7 +17,7 @@ command -v dpkg-checkbuilddeps >/dev/null 2>&1 || {
          "dpkg-dev, then make deb again (it will list the rest)" >&2; exit 1; }
 if ! unmet=$(dpkg-checkbuilddeps packaging/debian/control 2>&1); then
     pkgs=$(echo "$unmet" | sed -n 's/.*Unmet build dependencies: //p' | sed -e 's/([^)]*)//g' \
-        -e 's/:native//g' -e 's/|[^ ]*//g' | tr -s ' ')
+        -e 's/:native//g' -e 's/|[^ ]*//g' -e 's/debhelper-compat/debhelper/' | tr -s ' ')
     echo "build-deb: missing build dependencies: $pkgs" >&2
     echo "build-deb: install them with:  sudo apt-get install --no-install-recommends $pkgs" >&2
     echo "build-deb: (or: sudo apt-get install devscripts equivs && sudo mk-build-deps -i -r -t" \
@@ -44,6 +44,10 @@ else
         | tar -x -C "$TREE"
 fi
 cp -r packaging/debian "$TREE/debian"
+# setuptools < 61 (Ubuntu 22.04) reads no [project] table: give it the same metadata.
+if python3 -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) >= 61)' 2>/dev/null; then
+    sed "s/@VERSION@/$VERSION/" packaging/legacy-setup.cfg >"$TREE/setup.cfg"
+fi
 # README.md is pyproject's readme (setuptools needs it); keep the build going without one.
 [ -f "$TREE/README.md" ] || echo "qwen4090: see docs/packaging.md" >"$TREE/README.md"
 [ -f "$TREE/docs/packaging.md" ] || { mkdir -p "$TREE/docs"; echo "see qwen4090(8)" >"$TREE/docs/packaging.md"; }

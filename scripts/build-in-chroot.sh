@@ -31,7 +31,9 @@ git ls-files -z -c -o --exclude-standard | tar -c --null -T - -f "$SRC"
 # the packages it named, make deb again, 3) apt-get install the .deb.
 cat >"$OUTD/inside.sh" <<'IN'
 set -u
+export PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND=noninteractive
 cd /src
+command -v apt-get >/dev/null || { echo "RESULT: no apt-get in the chroot ($(ls /usr/bin | grep -c .) files in /usr/bin)"; exit 1; }
 echo "== 1. make deb on a tree with dpkg-dev only"
 sh scripts/build-deb.sh >/tmp/b1 2>&1; echo "exit $?"; cat /tmp/b1
 pkgs=$(sed -n 's/^build-deb: missing build dependencies: //p' /tmp/b1)
@@ -49,7 +51,7 @@ qwen4090 --version && qwen4090 check-config; echo "check-config exit $? (78 expe
 echo "RESULT: ok ($(. /etc/os-release; echo "$PRETTY_NAME"), $(dpkg-query -W -f='${Version}' debhelper systemd python3 | tr '\n' ' '))"
 IN
 t0=$(date +%s)
-timeout 1500 mmdebstrap --variant=minbase --include=dpkg-dev,git,ca-certificates "${EXTRA[@]}" \
+timeout 1500 mmdebstrap --variant=minbase --include=apt,dpkg-dev,git,ca-certificates "${EXTRA[@]}" \
     --customize-hook="mkdir -p \"\$1/src\" && tar -x -C \"\$1/src\" -f $SRC" \
     --customize-hook="cp $OUTD/inside.sh \"\$1/inside.sh\"" \
     --customize-hook="chroot \"\$1\" sh -c 'cd /src && git init -q . 2>/dev/null; bash /inside.sh' >$OUTD/log.txt 2>&1 || true" \

@@ -34,11 +34,15 @@ else
     MODEL_SRC=${QWEN4090_GPU_MODEL:-/tmp/vllm_lab/model}
     VLLM_PORT=8000
 fi
+SITE=${R:-/tmp}/site   # wheels the image lacks (structlog, prometheus_client)
 STATUS_PORT=$((VLLM_PORT + 90))   # derived: status.port = vllm.port + 90
 ETC=$R/etc/qwen4090 LIB=$R/var/lib/qwen4090 CACHE=$R/var/cache/qwen4090 VENV=$R/opt/qwen4090/venv
 CONF=$ETC/qwen4090.toml
 BIN=$R/usr/bin/qwen4090
 PY=$(command -v python3)
+# dry run: the dev venv's interpreter has psutil (the device image has it); the installed
+# copy still comes first on PYTHONPATH (logged below)
+[ "$DRY" = 1 ] && PY=$REPO/.venv/bin/python
 T0=$(date +%s)
 log() { echo "[installed +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/steps.log"; }
 die() { log "FAILED: $*"; exit 1; }
@@ -46,10 +50,10 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 # How to run the installed command: /usr/bin/qwen4090 itself when its #!/usr/bin/python3 finds
 # the package (Debian/Ubuntu python3: /usr/lib/python3/dist-packages is on its path), else the
-# image's python3 with that directory on PYTHONPATH. /tmp/site: structlog/prometheus_client
+# image's python3 with that directory on PYTHONPATH. $SITE: structlog/prometheus_client
 # wheels when the image lacks them (the .deb's Depends on a Debian system).
 site_path() {
-    local p=/tmp/site
+    local p=$SITE
     if [ -n "$R" ] || ! /usr/bin/python3 -c 'import qwen4090' 2>/dev/null; then
         p=$R/usr/lib/python3/dist-packages:$p
     fi
@@ -59,7 +63,7 @@ q() { # q ARGS...: the installed qwen4090, as the calling user
     if [ -n "$R" ] || ! head -n1 "$BIN" | grep -q '^#!/usr/bin/python3' || [ ! -x /usr/bin/python3 ]; then
         PYTHONPATH=$(site_path) "$PY" "$BIN" "$@"
     else
-        PYTHONPATH=/tmp/site "$BIN" "$@"
+        PYTHONPATH=$SITE "$BIN" "$@"
     fi
 }
 as_user() { # as_user CMD...: as qwen4090 (dry run: as ourselves)
@@ -69,7 +73,7 @@ q_user() { # the installed qwen4090 as the service user
     if [ -n "$R" ] || ! head -n1 "$BIN" | grep -q '^#!/usr/bin/python3' || [ ! -x /usr/bin/python3 ]; then
         as_user env PYTHONPATH="$(site_path)" "$PY" "$BIN" "$@"
     else
-        as_user env PYTHONPATH=/tmp/site "$BIN" "$@"
+        as_user env PYTHONPATH=$SITE "$BIN" "$@"
     fi
 }
 
@@ -81,9 +85,9 @@ do_install() {
     dpkg-deb -f "$DEB" Version Depends >"$OUT/deb-fields.txt"
     # structlog and prometheus_client: Depends of the .deb, not in the device image
     if ! "$PY" -c 'import structlog, prometheus_client' 2>/dev/null; then
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$REPO"/.whl/*.whl \
-            || die "cannot install .whl/*.whl into /tmp/site"
-        chmod -R a+rX /tmp/site
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$REPO"/.whl/*.whl \
+            || die "cannot install .whl/*.whl into $SITE"
+        chmod -R a+rX "$SITE"
     fi
     if [ "$DRY" != 1 ]; then
         # usr/lib/sysusers.d/qwen4090.conf, as systemd-sysusers would apply it
@@ -107,6 +111,8 @@ do_install() {
         [ "$DRY" = 1 ] || chown "$user:$group" "$R$path"
     done < <(grep -v '^#' "$R/usr/lib/tmpfiles.d/qwen4090.conf")
     q --version | tee "$OUT/version.txt"
+    PYTHONPATH=$(site_path) "$PY" -c 'import qwen4090, structlog, psutil; print("imports", qwen4090.__file__)' \
+        | tee -a "$OUT/version.txt"
 
     log "install-runtime (the product's own command) into $VENV"
     if [ "$DRY" = 1 ]; then

@@ -260,3 +260,20 @@ def test_nvidia_device_nodes_script_creates_missing_uvm_nodes(tmp_path: Path) ->
     (dev / "nvidia-uvm").unlink()
     r = subprocess.run(["sh", str(script)], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and "no nvidia-uvm" in r.stderr
+
+
+def test_legacy_setup_cfg_matches_pyproject() -> None:
+    """Ubuntu 22.04's setuptools 59 builds from packaging/legacy-setup.cfg (build-deb.sh)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read_string((ROOT / "packaging/legacy-setup.cfg").read_text())
+    reqs = [r.strip() for r in cfg["options"]["install_requires"].strip().splitlines()]
+    assert reqs == [r.replace('"', "'") for r in project["dependencies"]]
+    assert cfg["metadata"]["name"] == project["name"]
+    assert cfg["metadata"]["version"] == "@VERSION@"
+    scripts = cfg["options.entry_points"]["console_scripts"].strip()
+    assert scripts == " = ".join(next(iter(project["scripts"].items())))
