@@ -47,7 +47,9 @@ echo "== 3. apt-get install ./dist/*.deb (no systemd running)"
 apt-get install -y -q ./dist/*.deb >/tmp/apt3 2>&1; rc=$?; tail -n 8 /tmp/apt3
 [ $rc = 0 ] || { echo "RESULT: install failed"; exit 1; }
 getent passwd qwen4090; ls -ld /var/lib/qwen4090 /var/lib/qwen4090/models
-qwen4090 --version && qwen4090 check-config; echo "check-config exit $? (78 expected: no model yet)"
+qwen4090 --version; qwen4090 check-config; rc=$?; echo "check-config exit $rc (78 expected: no model yet)"
+[ $rc = 78 ] || { echo "RESULT: the installed command does not work"; exit 1; }
+sed -n '/tmpfiles/,/fi$/p' /var/lib/dpkg/info/qwen4090.postinst
 echo "RESULT: ok ($(. /etc/os-release; echo "$PRETTY_NAME"), $(dpkg-query -W -f='${Version}' debhelper systemd python3 | tr '\n' ' '))"
 IN
 t0=$(date +%s)
@@ -55,7 +57,7 @@ timeout 1500 mmdebstrap --variant=minbase --include=apt,dpkg-dev,git,ca-certific
     --customize-hook="mkdir -p \"\$1/src\" && tar -x -C \"\$1/src\" -f $SRC" \
     --customize-hook="cp $OUTD/inside.sh \"\$1/inside.sh\"" \
     --customize-hook="chroot \"\$1\" sh -c 'cd /src && git init -q . 2>/dev/null; bash /inside.sh' >$OUTD/log.txt 2>&1 || true" \
-    --customize-hook="sh -c 'cp \"\$1\"/src/dist/*.deb $OUTD/ 2>/dev/null || true'" \
+    --customize-hook="cp \"\$1\"/src/dist/qwen4090_*.deb $OUTD/ || true" \
     "$SUITE" "$ROOTFS" "$MIRROR" >"$OUTD/mmdebstrap.log" 2>&1 || { tail -20 "$OUTD/mmdebstrap.log"; exit 1; }
 echo "$SUITE: $(( $(date +%s) - t0 ))s" >>"$OUTD/log.txt"
 grep '^RESULT' "$OUTD/log.txt"; tail -n1 "$OUTD/log.txt"
