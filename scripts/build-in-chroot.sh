@@ -50,7 +50,7 @@ getent passwd qwen4090; ls -ld /var/lib/qwen4090 /var/lib/qwen4090/models
 qwen4090 --version; qwen4090 check-config; rc=$?; echo "check-config exit $rc (78 expected: no model yet)"
 [ $rc = 78 ] || { echo "RESULT: the installed command does not work"; exit 1; }
 sed -n '/tmpfiles/,/fi$/p' /var/lib/dpkg/info/qwen4090.postinst
-echo "RESULT: ok ($(. /etc/os-release; echo "$PRETTY_NAME"), $(dpkg-query -W -f='${Version}' debhelper systemd python3 | tr '\n' ' '))"
+echo "RESULT: ok ($(. /etc/os-release; echo "$PRETTY_NAME"), $(dpkg-query -W -f='${Package} ${Version}, ' debhelper systemd python3))"
 IN
 t0=$(date +%s)
 timeout 1500 mmdebstrap --variant=minbase --include=apt,dpkg-dev,git,ca-certificates "${EXTRA[@]}" \
