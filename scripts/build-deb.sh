@@ -16,7 +16,7 @@ command -v dpkg-checkbuilddeps >/dev/null 2>&1 || {
     echo "build-deb: dpkg-dev is not installed; run: sudo apt-get install --no-install-recommends" \
          "dpkg-dev, then make deb again (it will list the rest)" >&2; exit 1; }
 if ! unmet=$(dpkg-checkbuilddeps packaging/debian/control 2>&1); then
-    pkgs=$(echo "$unmet" | sed -n 's/.*Unmet build dependencies: //p' | sed -e 's/([^)]*)//g' \
+    pkgs=$(echo "$unmet" | sed -n 's/.*[Uu]nmet build dependencies: //p' | sed -e 's/([^)]*)//g' \
         -e 's/:native//g' -e 's/|[^ ]*//g' -e 's/debhelper-compat/debhelper/' | tr -s ' ')
     echo "build-deb: missing build dependencies: $pkgs" >&2
     echo "build-deb: install them with:  sudo apt-get install --no-install-recommends $pkgs" >&2
