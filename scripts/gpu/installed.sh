@@ -230,10 +230,11 @@ do_run() {
     [ -x "$BIN" ] || die "not installed: run the install stage first"
     log "start /usr/bin/qwen4090 run as $U with the unit's Environment=, LimitNOFILE=65536, OOMScoreAdjust=-500"
     local envs; mapfile -t envs < <(unit_env)
-    ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
-    [ "$DRY" = 1 ] || echo -500 >/proc/self/oom_score_adj
     local site; site=$(site_path)
     (
+        # LimitNOFILE= and OOMScoreAdjust= of the unit, for the supervisor only
+        ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+        [ "$DRY" = 1 ] || echo -500 >/proc/self/oom_score_adj
         if [ -n "$R" ] || ! head -n1 "$BIN" | grep -q '^#!/usr/bin/python3' || [ ! -x /usr/bin/python3 ]; then
             exec_cmd=("$PY" "$BIN")
         else
