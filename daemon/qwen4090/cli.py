@@ -139,8 +139,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     notifier = Notifier(on_error=lambda msg: log.warning("notify_failed", error=msg))
     holder: dict[str, Supervisor] = {}
     vlog = logs.get_logger(source="vllm")
+    # --- recovery (timeline.py): startup/recovery timelines from vLLM's lines and our events
+    from qwen4090 import timeline
+
+    watch = timeline.TimelineWatch(log)
+    # --- end recovery
 
     def on_line(stream: str, line: str) -> None:
+        watch.on_line(stream, line)  # recovery: before any filtering, every line is a clue
         parsed = parse_vllm_line(line, stream)
         if parsed.proc == "uvicorn" and is_probe_access(parsed.message):
             return  # vLLM's access line for one of our own probes: noise
@@ -175,6 +181,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         executor=ThreadRunner(wake.wake),
         log=log,
     )
+    parts.listeners.append(watch)  # recovery: startup_timeline / recovery_timeline events
     sup = Supervisor(cfg, parts)
     holder["sup"] = sup
 
@@ -185,7 +192,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     gpu.start_watch(cfg, on_gpu_fault)
     from qwen4090 import httpapi
 
-    api = httpapi.start(sup, log)  # /status, /metrics, /livez, /readyz on [status] host:port
+    api = httpapi.start(sup, log, sources=[watch])  # /status, /metrics, /livez, /readyz
     signals.install(sup.deliver, wake)
     try:
         while not sup.done:

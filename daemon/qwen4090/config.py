@@ -129,6 +129,14 @@ class RestartConfig:
                                   "(exit 75)", min=1)
     budget_window: float = opt(600.0, "seconds of the crash-loop window", min=1)
     stable_after: float = opt(300.0, "seconds READY after which the backoff starts over", min=0)
+    # recovery (issue 10): what makes a restart shorter
+    fixed_kv_budget: bool = opt(False, "start vLLM with --kv-cache-memory-bytes = the KV cache "
+                                       "of the last start that reached READY with the same "
+                                       "settings and GPU: no memory profiling, the same KV "
+                                       "tokens every start (ignores gpu_memory_utilization)")
+    readahead: bool = opt(True, "at each launch, read the model's weight files into the page "
+                                "cache while vLLM imports (skipped when they exceed half of "
+                                "the available memory)")
 
 
 @dataclass(frozen=True)

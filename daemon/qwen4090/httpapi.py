@@ -21,7 +21,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import (
@@ -493,7 +493,14 @@ class StatusApi:
             req.wfile.write(data)
 
 
-def start(sup: Any, log: Any) -> StatusApi:
+class StatusSource(Protocol):
+    """More facts for /status and more families for /metrics (e.g. timeline.TimelineWatch)."""
+
+    def status(self) -> dict[str, Any]: ...
+    def register(self, registry: CollectorRegistry) -> None: ...
+
+
+def start(sup: Any, log: Any, sources: Sequence[StatusSource] = ()) -> StatusApi:
     """Serve the supervisor's status on ``[status]`` host:port (if enabled and free).
 
     ``sup`` is the Supervisor: its listeners get our Telemetry, and a reload that changes
@@ -502,7 +509,15 @@ def start(sup: Any, log: Any) -> StatusApi:
     """
     telemetry = Telemetry(clock=sup.p.clock, wall=sup.p.wall)
     sup.p.listeners.append(telemetry)
-    api = StatusApi(lambda: status_document(sup, telemetry), clock=sup.p.clock, log=log)
+    def document() -> dict[str, Any]:
+        doc = status_document(sup, telemetry)
+        for source in sources:  # recovery: the timelines (timeline.py)
+            doc.update(source.status())
+        return doc
+
+    api = StatusApi(document, clock=sup.p.clock, log=log)
+    for source in sources:
+        source.register(api.registry)
 
     def bind() -> None:
         s = sup.cfg.status
