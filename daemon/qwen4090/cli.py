@@ -168,10 +168,49 @@ def cmd_run(args: argparse.Namespace) -> int:
     why = gpu.wait_for_driver(cfg, notifier.extend_timeout)
     if why:
         log.error("gpu_driver_not_ready", reason=why, waited=cfg.gpu.driver_wait)
+    # --- recovery: a fixed KV budget from the last good start, read-ahead of the weights
+    from qwen4090 import kvbudget, learned, readahead
+
+    def gpu_name() -> str:
+        from qwen4090.probes import nvml
+
+        mem = nvml.memory(cfg.gpu.device) if cfg.gpu.enabled != "off" else "off"
+        return "none" if isinstance(mem, str) else mem.name
+
+    kv = kvbudget.KvBudget(learned.state_dir(cfg), gpu_name)
+
+    def preflight(c: Config) -> Any:
+        res = gpu.preflight(c)
+        if res.ok:
+            launch, note = kv.apply(res.config or c)
+            if note:
+                log.info("kv_budget", detail=note)
+            if kv.applied is not None:
+                res.config = launch
+        return res
+
+    def spawn(c: Config) -> Any:
+        if c.restart.readahead:
+            readahead.start(c.vllm.model, log)
+        return child.spawn(c, on_line)
+
+    def kv_record(report: dict[str, Any]) -> None:
+        if kv.record(holder["sup"].launch_cfg, report):
+            log.info("kv_budget_recorded", kv_bytes=report.get("kv_bytes"),
+                     kv_tokens=report.get("kv_tokens"))
+
+    def kv_forget(report: dict[str, Any]) -> None:
+        if kv.forget():
+            log.warning("kv_budget_forgotten", reason="a start with the fixed KV budget failed"
+                                                      "; the next one profiles again")
+
+    watch.on_ready.append(kv_record)
+    watch.on_failed.append(kv_forget)
+    # --- end recovery
     parts = Parts(
-        spawn=lambda c: child.spawn(c, on_line),
+        spawn=spawn,
         make_probe=make_probe,
-        preflight=gpu.preflight,
+        preflight=preflight,
         adjust_after_failure=gpu.adjust_after_failure,
         gpu_held=gpu.gpu_held,
         release_timeout=cfg.gpu.release_timeout,

@@ -238,6 +238,8 @@ class TimelineWatch:
         self.stalled_since: float | None = None  # from the supervisor's hang event
         # Called with the startup report of every start that reached READY (kv budget, ...).
         self.on_ready: list[Callable[[dict[str, Any]], None]] = []
+        # ... and of every start that failed before READY.
+        self.on_failed: list[Callable[[dict[str, Any]], None]] = []
         self.phase_hist = Histogram(
             "qwen4090_startup_phase_seconds", "seconds of each vLLM start-up phase (named after "
             "the mark that ends it), starts that reached READY", ["phase"], registry=None,
@@ -343,15 +345,18 @@ class TimelineWatch:
         summary = " ".join(f"{k}={v:g}" for k, v in (report.get("at") or {}).items())
         if name == "startup_timeline":
             self.log.info(name, summary=summary, **report)
-            if report.get("outcome") == "ready":
+            ready = report.get("outcome") == "ready"
+            if ready:
                 for phase, secs in took.items():
                     self.phase_hist.labels(phase).observe(secs)
                 self.phase_hist.labels("total").observe(float(report["total"]))
-                for hook in self.on_ready:
-                    try:
-                        hook(report)
-                    except Exception as e:  # a hook must never break the loop
-                        self.log.error("startup_hook_failed", error=repr(e))
+            hooks = self.on_ready if ready else \
+                self.on_failed if report.get("outcome") == "failed" else []
+            for hook in hooks:
+                try:
+                    hook(report)
+                except Exception as e:  # a hook must never break the loop
+                    self.log.error("startup_hook_failed", error=repr(e))
         else:
             self.log.info(name, summary=summary, **report)
             for phase, secs in took.items():

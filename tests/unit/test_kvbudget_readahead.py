@@ -1,0 +1,101 @@
+"""The fixed KV budget from the last good start, and the weights' read-ahead (no vLLM)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from qwen4090 import readahead
+from qwen4090.config import from_dict
+from qwen4090.kvbudget import FLAG, KvBudget
+
+GIB = 1024 ** 3
+
+
+def cfg(**vllm: Any) -> Any:
+    return from_dict({"vllm": {"model": "/m", **vllm}, "restart": {"fixed_kv_budget": True}})
+
+
+def ready(kv_bytes: int | None = 4 * GIB) -> dict[str, Any]:
+    return {"outcome": "ready", "kv_bytes": kv_bytes, "kv_tokens": 30160}
+
+
+def test_the_next_launch_gets_the_bytes_of_the_last_good_start(tmp_path: Path) -> None:
+    kv = KvBudget(tmp_path, lambda: "H200")
+    c = cfg()
+    launch, note = kv.apply(c)
+    assert (launch, note) == (c, None)  # nothing recorded yet: vLLM profiles
+    assert kv.record(launch, ready())
+    launch, note = kv.apply(c)
+    assert launch.vllm.extra_args[-2:] == [FLAG, str(4 * GIB)]
+    assert note is not None and "30160 tokens" in note
+    # a start that was given the budget does not re-record (the reported GiB are rounded)
+    assert not kv.record(launch, ready(3 * GIB))
+    assert kv.apply(c)[0].vllm.extra_args[-1] == str(4 * GIB)
+
+
+def test_other_settings_or_gpu_do_not_get_it(tmp_path: Path) -> None:
+    kv = KvBudget(tmp_path, lambda: "H200")
+    kv.record(cfg(), ready())
+    other, note = kv.apply(cfg(max_model_len=4096))
+    assert FLAG not in other.vllm.extra_args and note and "other settings" in note
+    assert FLAG not in KvBudget(tmp_path, lambda: "RTX 4090").apply(cfg())[0].vllm.extra_args
+
+
+def test_off_by_default_and_the_sysadmins_own_flag_wins(tmp_path: Path) -> None:
+    kv = KvBudget(tmp_path, lambda: "x")
+    kv.record(cfg(), ready())
+    plain = from_dict({"vllm": {"model": "/m"}})
+    assert not plain.restart.fixed_kv_budget
+    assert kv.apply(plain) == (plain, None)
+    own = cfg(extra_args=[FLAG + "=123"])
+    assert kv.apply(own) == (own, None)
+    assert not kv.record(own, ready())
+
+
+def test_a_failed_start_with_the_budget_forgets_it(tmp_path: Path) -> None:
+    kv = KvBudget(tmp_path, lambda: "x")
+    kv.record(cfg(), ready())
+    assert not kv.forget()  # this launch had no budget: nothing to blame it on
+    kv.apply(cfg())
+    assert kv.forget()
+    assert kv.apply(cfg()) == (cfg(), None)
+
+
+def test_a_torn_file_means_profile(tmp_path: Path) -> None:
+    (tmp_path / "kv_budget.json").write_text("{")
+    assert KvBudget(tmp_path, lambda: "x").apply(cfg()) == (cfg(), None)
+    assert not KvBudget(tmp_path, lambda: "x").record(cfg(), ready(None))
+
+
+def test_readahead_decides_and_advises(tmp_path: Path) -> None:
+    (tmp_path / "model-00001.safetensors").write_bytes(b"x" * 4096)
+    (tmp_path / "config.json").write_text("{}")
+    files = readahead.weight_files(str(tmp_path))
+    assert [p.name for p, _ in files] == ["model-00001.safetensors"]
+    assert readahead.decide(files, 10 * 4096) is None
+    assert "available" in (readahead.decide(files, 4096) or "")
+    assert readahead.decide([], 1 << 40) == "no weight files"
+    assert readahead.weight_files(str(tmp_path / "nope")) == []
+    assert readahead.advise(files) == 1
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def info(self, event: str, **_: Any) -> None:
+        self.events.append(event)
+
+    debug = info
+
+
+def test_readahead_thread_runs_and_a_dummy_model_is_skipped(tmp_path: Path) -> None:
+    log = Log()
+    assert readahead.start(str(tmp_path), log) is None and log.events == ["readahead_skipped"]
+    (tmp_path / "w.bin").write_bytes(os.urandom(1024))
+    t = readahead.start(str(tmp_path), log, available=lambda: 1 << 30)
+    assert t is not None
+    t.join(10)
+    assert log.events[-1] == "readahead_done"
