@@ -169,7 +169,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if why:
         log.error("gpu_driver_not_ready", reason=why, waited=cfg.gpu.driver_wait)
     # --- recovery: a fixed KV budget from the last good start, read-ahead of the weights
-    from qwen4090 import kvbudget, learned, readahead
+    from qwen4090 import caches, kvbudget, learned, readahead
 
     def gpu_name() -> str:
         from qwen4090.probes import nvml
@@ -192,7 +192,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     def spawn(c: Config) -> Any:
         if c.restart.readahead:
             readahead.start(c.vllm.model, log)
-        return child.spawn(c, on_line)
+        return child.spawn(c, on_line, env=caches.cache_environment(os.environ))
 
     def kv_record(report: dict[str, Any]) -> None:
         if kv.record(holder["sup"].launch_cfg, report):

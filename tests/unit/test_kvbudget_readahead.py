@@ -99,3 +99,33 @@ def test_readahead_thread_runs_and_a_dummy_model_is_skipped(tmp_path: Path) -> N
     assert t is not None
     t.join(10)
     assert log.events[-1] == "readahead_done"
+
+
+# --- the compile caches: in the CacheDirectory, per instance, kept across upgrades -----------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cache_environment_defaults_under_the_cache_root() -> None:
+    from qwen4090.caches import cache_environment
+
+    env = cache_environment({"VLLM_CACHE_ROOT": "/var/cache/qwen4090/a", "HOME": "/h"})
+    assert env["TRITON_CACHE_DIR"] == "/var/cache/qwen4090/a/triton"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/var/cache/qwen4090/a/inductor"
+    assert cache_environment({"CACHE_DIRECTORY": "/c:/d"})["VLLM_CACHE_ROOT"] == "/c"
+    own = cache_environment({"VLLM_CACHE_ROOT": "/c", "TRITON_CACHE_DIR": "/t"})
+    assert own["TRITON_CACHE_DIR"] == "/t"  # set by the sysadmin: kept
+    assert cache_environment({"HOME": "/h"}) == {"HOME": "/h"}  # nothing to go by
+
+
+def test_units_put_vllms_caches_in_their_cache_directory_which_survives_upgrades() -> None:
+    deb = ROOT / "packaging" / "debian"
+    for unit, sub in (("qwen4090.service", ""), ("qwen4090@.service", "/%i")):
+        text = (deb / unit).read_text()
+        assert f"CacheDirectory=qwen4090{sub}\n" in text
+        assert f"VLLM_CACHE_ROOT=/var/cache/qwen4090{sub} " in text  # per instance
+    postrm = (deb / "qwen4090.postrm").read_text()
+    # the cache is removed on purge only, never on upgrade or remove
+    guard = postrm.index('if [ "$1" = "purge" ]; then')
+    assert guard < postrm.index("rm -rf") and "/var/cache/qwen4090" in postrm[guard:]
+    assert postrm.count("/var/cache/qwen4090 ") == 1

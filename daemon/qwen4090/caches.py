@@ -1,0 +1,38 @@
+"""Where vLLM's compile caches go: one cache root per instance, kept across restarts/upgrades.
+
+The unit sets ``VLLM_CACHE_ROOT`` to its ``CacheDirectory=`` (/var/cache/qwen4090, or
+/var/cache/qwen4090/%i per instance), which systemd keeps across restarts and package
+upgrades (postrm removes it only on purge).  vLLM puts torch.compile's artifacts there and,
+while it compiles, points Inductor and Triton at ``<root>/torch_compile_cache/<hash>/``
+(vLLM 0.26 compilation/compiler_interface.py initialize_cache).  Kernels JIT-compiled outside
+torch.compile (``--enforce-eager``, or before the compile cache is set up) would otherwise go
+to Triton's default ``~/.triton/cache`` (the state directory, as HOME=/var/lib/qwen4090) and
+Inductor's default ``/tmp/torchinductor_<user>`` (lost at every service restart under
+``PrivateTmp=yes``).  :func:`cache_environment` sends them to the same cache root.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+
+def cache_root(env: Mapping[str, str]) -> str | None:
+    """VLLM_CACHE_ROOT, else systemd's $CACHE_DIRECTORY (the first one), else None."""
+    root = env.get("VLLM_CACHE_ROOT") or env.get("CACHE_DIRECTORY", "").split(":")[0]
+    return root or None
+
+
+def cache_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The parent environment with the cache variables defaulted under the cache root.
+
+    Only what is unset is filled in; the config's ``[vllm.env]`` is applied after this and wins.
+    """
+    out = dict(env)
+    root = cache_root(env)
+    if root is None:
+        return out  # not under systemd and nothing configured: vLLM's own defaults
+    out.setdefault("VLLM_CACHE_ROOT", root)
+    out.setdefault("TRITON_CACHE_DIR", os.path.join(root, "triton"))
+    out.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "inductor"))
+    return out

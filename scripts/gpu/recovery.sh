@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Fault -> READY on the H200, phase by phase (issue 10), with bench/recovery.py and the kit of
+# ../shared/gpu (vLLM 0.26 installed, dummy Qwen3-14B at /tmp/vllm_lab/model; the config is
+# tests/gpu/lab.py's: fp8, gpu_memory_utilization 0.16, max_model_len 8192). One stage per
+# device call, each well under 9 minutes (estimates from RESULTS.md: cold start ~120 s, warm
+# ~60-75 s). Run the stages in this order while the machine stays warm (the compile cache in
+# $CACHE is shared between them):
+#   bash scripts/gpu/recovery.sh cold      cold start (empty cache), then a warm one   (~4 min)
+#   bash scripts/gpu/recovery.sh crash     SIGKILL EngineCore; SIGKILL API server      (~5 min)
+#   bash scripts/gpu/recovery.sh hang      SIGSTOP of the EngineCore under load        (~3 min)
+#   bash scripts/gpu/recovery.sh kvbudget  restart.fixed_kv_budget: start, kill, restart (~3 min)
+#   bash scripts/gpu/recovery.sh env       warm start + tok/s: default, in-process engine
+#                                          (VLLM_ENABLE_V1_MULTIPROCESSING=0), fork     (~6 min)
+# Results: $OUT/recovery-<stage>.json (+ .log); docs/recovery.md says how to read them.
+# Env: OUT, QWEN4090_GPU_MODEL, CACHE (VLLM_CACHE_ROOT, default /tmp/qwen4090_recovery_cache).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+stage=${1:?usage: recovery.sh cold|crash|hang|kvbudget|env}
+OUT=${OUT:-/tmp/qwen4090_gpu_out}
+CACHE=${CACHE:-/tmp/qwen4090_recovery_cache}
+mkdir -p "$OUT"
+# The bench's daemon runs with PYTHONPATH=daemon only, so structlog (and prometheus_client, if
+# the image lacks it) go into the interpreter itself; they travel as wheels in .whl/ (carry it).
+for mod in structlog prometheus_client; do
+  python3 -c "import $mod" 2>/dev/null && continue
+  python3 -m pip install -q --no-index --no-deps --no-compile .whl/${mod}-*.whl \
+    || python3 -m pip install -q --no-index --no-deps --no-compile --user .whl/${mod}-*.whl \
+    || { echo "cannot install .whl/${mod}-*.whl"; exit 1; }
+done
+if ! python3 -c 'import compressed_tensors, loguru' 2>/dev/null && [ -d /tmp/vllm_lab/bundle/whl_extra ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile \
+    /tmp/vllm_lab/bundle/whl_extra/compressed_tensors-*.whl /tmp/vllm_lab/bundle/whl_extra/loguru-*.whl
+fi
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader \
+  > "$OUT/nvidia-smi-recovery-$stage.txt" 2>&1
+# What a snapshot restore would need (docs/recovery.md, item 4): is any of it in the image?
+{ for t in criu cuda-checkpoint nvidia-smi sudo; do printf '%s: %s\n' "$t" "$(command -v $t || echo missing)"; done
+  id; uname -r; cat /proc/sys/kernel/io_uring_disabled 2>/dev/null || echo "io_uring_disabled: n/a"
+  grep -E '^Cap(Eff|Bnd)' /proc/self/status; } > "$OUT/snapshot-prereqs.txt" 2>&1
+
+bench() {  # bench NAME ARGS...: one bench run, its JSON and log under $OUT ($T: its time limit)
+  local name=$1; shift
+  timeout "${T:-520}" python3 bench/recovery.py --base gpu --cache "$CACHE" --label "$name" \
+    --out "$OUT/recovery-$name.json" "$@" 2>&1 | tee "$OUT/recovery-$name.log" | tail -12
+}
+
+case $stage in
+  cold) bench cold --scenarios cold,warm ;;
+  crash) bench crash --scenarios kill-engine,kill-api ;;
+  hang) bench hang --scenarios hang ;;
+  kvbudget) bench kvbudget --scenarios kill-engine --set restart.fixed_kv_budget=true ;;
+  env)
+    export QWEN4090_BENCH_CONCURRENCY=32 T=170  # three runs in one call: 3 x 170 s < 9 min
+    bench env-default --scenarios serve
+    bench env-inproc --scenarios serve --env VLLM_ENABLE_V1_MULTIPROCESSING=0
+    bench env-fork --scenarios serve --env VLLM_WORKER_MULTIPROC_METHOD=fork ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
+esac
+ls -l "$OUT"
