@@ -11,7 +11,8 @@ printed too (vLLM's own phases: imports, engine up, weights, compile, KV, graphs
 
 Scenarios: ``cold`` (first start, empty VLLM_CACHE_ROOT), ``warm`` (a second daemon on the
 cache the cold one filled), ``kill-engine`` (SIGKILL of the EngineCore), ``kill-api`` (SIGKILL
-of the API server), ``hang`` (SIGSTOP of the EngineCore while requests stream).
+of the API server), ``hang`` (SIGSTOP of the EngineCore while requests stream), ``serve`` (a
+start, then output tokens/s at 32 concurrent 512-in/256-out completions: for the env toggles).
 
 CPU (here, under the shared lock):
     flock /tmp/qwen4090-vllm.lock .venv/bin/python bench/recovery.py --base cpu \
@@ -49,6 +50,7 @@ from tests.integration.harness import Daemon, free_port, write_toml  # noqa: E40
 
 STEPS = ("detected", "group_gone", "relaunched", "health", "ready")
 READY_TIMEOUT = 540.0
+THROUGHPUT_CONCURRENCY = int(os.environ.get("QWEN4090_BENCH_CONCURRENCY", "32"))
 
 
 def base_config(base: str, tmp: Path) -> dict[str, dict[str, Any]]:
@@ -110,6 +112,30 @@ class Load:
         self.stop.set()
 
 
+def throughput(port: int, model: str, concurrency: int, requests: int, prompt_len: int,
+               max_tokens: int) -> dict[str, float]:
+    """Output tokens per second of `requests` completions at `concurrency` (non-streamed)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> int:
+        body = json.dumps({"model": model, "prompt": [300 + (i * 7 + j) % 700
+                                                      for j in range(prompt_len)],
+                           "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+        c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        r = json.loads(c.getresponse().read())
+        c.close()
+        return int(r["usage"]["completion_tokens"])
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(concurrency) as ex:
+        tokens = sum(ex.map(one, range(requests)))
+    secs = time.monotonic() - t0
+    return {"concurrency": concurrency, "requests": requests, "prompt_len": prompt_len,
+            "output_tokens": tokens, "seconds": round(secs, 2),
+            "output_tok_s": round(tokens / secs, 1)}
+
+
 # --- one daemon, one scenario --------------------------------------------------------------------
 
 
@@ -169,6 +195,12 @@ def run_scenario(name: str, cfg: dict[str, dict[str, Any]], tmp: Path, cache: Pa
         res: dict[str, Any] = {"scenario": name, "first_start": first_start(d, t_launch)}
         if name in ("cold", "warm"):
             return res
+        if name == "serve":  # a start plus a throughput sample (for the env toggles)
+            model = str(cfg["vllm"]["served_model_name"])
+            throughput(port, model, 4, 8, 64, 16)  # warm the paths outside the sample
+            res["throughput"] = throughput(port, model, THROUGHPUT_CONCURRENCY,
+                                           4 * THROUGHPUT_CONCURRENCY, 512, 256)
+            return res
         mark = d.mark()
         if name == "hang":
             load = Load(port, str(cfg["vllm"]["served_model_name"]))
@@ -219,9 +251,9 @@ def run_scenario(name: str, cfg: dict[str, dict[str, Any]], tmp: Path, cache: Pa
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    rows = ["| scenario | first READY s | KV tokens | " + " | ".join(STEPS) + " | vLLM phases "
-            "of the (re)start (s since spawn) |",
-            "| --- | --- | --- | " + " | ".join("---" for _ in STEPS) + " | --- |"]
+    rows = ["| scenario | first READY s | KV tokens | " + " | ".join(STEPS) + " | output tok/s | "
+            "vLLM phases of the (re)start (s since spawn) |",
+            "| --- | --- | --- | " + " | ".join("---" for _ in STEPS) + " | --- | --- |"]
     for r in results:
         steps = r.get("steps", {})
         st = r.get("restart_startup_timeline") or r["first_start"].get("startup_timeline") or {}
@@ -229,9 +261,10 @@ def table(results: list[dict[str, Any]]) -> str:
         kv = r["first_start"].get("kv_tokens")
         if "kv_tokens_after" in r:
             kv = f"{kv} / {r['kv_tokens_after']}"
+        tok = r["throughput"]["output_tok_s"] if "throughput" in r else "-"
         rows.append(f"| {r['scenario']} | {r['first_start']['ready']} | {kv} | "
                     + " | ".join(str(steps.get(s, "-")) for s in STEPS)
-                    + f" | {phases or '-'} |")
+                    + f" | {tok} | {phases or '-'} |")
     return "\n".join(rows)
 
 

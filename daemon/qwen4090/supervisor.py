@@ -308,6 +308,7 @@ class Supervisor:
         rc = self.child.poll()
         if rc is None:
             return
+        self.emit("child_exit_seen", {"code": rc})  # recovery: the timeline's fault mark
         self.child.flush_output(2.0)
         verdict = classify_exit(rc, self.child.tail_lines())
         self.log.warning("child_exited", pid=self.child.pid, code=rc, cause=verdict.cause.value,

@@ -188,7 +188,7 @@ class RecoveryTimeline:
     detected_wall: float
     cause: str
     fault: float
-    fault_source: str  # "detected" (no earlier sign), "vllm_error_line", "last_token_progress"
+    fault_source: str  # detected, vllm_error_line, child_exit_seen or last_token_progress
     at: dict[str, float] = field(default_factory=dict)
     attempts: int = 1
 
@@ -236,6 +236,7 @@ class TimelineWatch:
         self.last_recovery: dict[str, Any] | None = None
         self.last_error_line: float | None = None  # since the last READY
         self.stalled_since: float | None = None  # from the supervisor's hang event
+        self.exit_seen: float | None = None  # the loop saw vLLM's main process gone
         # Called with the startup report of every start that reached READY (kv budget, ...).
         self.on_ready: list[Callable[[dict[str, Any]], None]] = []
         # ... and of every start that failed before READY.
@@ -282,6 +283,8 @@ class TimelineWatch:
         with self._lock:
             if event == "hang":
                 self.stalled_since = now - float(fields.get("stalled", 0.0))
+            elif event == "child_exit_seen":
+                self.exit_seen = now
             elif event == "restart" and self.recovery is not None:
                 self.recovery.at.setdefault("group_gone", now)
             elif event == "transition":
@@ -310,8 +313,7 @@ class TimelineWatch:
                 out.append(("recovery_timeline", self.recovery.report()))
                 self.last_recovery = out[-1][1]
                 self.recovery = None
-            self.last_error_line = None
-            self.stalled_since = None
+            self.last_error_line = self.stalled_since = self.exit_seen = None
         elif dst in (S.RESTARTING.value, S.STOPPING.value, S.FAILED.value):
             if self.current is not None:
                 outcome = "failed" if dst != S.STOPPING.value else "stopped"
@@ -329,14 +331,16 @@ class TimelineWatch:
         return out
 
     def _new_recovery(self, now: float, src: str, reason: str) -> RecoveryTimeline:
-        fault, source = now, "detected"
+        """The fault is the earliest sign we have, within FAULT_LINE_WINDOW of detection."""
+        signs = [(now, "detected")]
         if self.stalled_since is not None and self.stalled_since <= now:
-            fault, source = self.stalled_since, "last_token_progress"
-        elif self.last_error_line is not None and \
-                now - FAULT_LINE_WINDOW <= self.last_error_line <= now:
-            fault, source = self.last_error_line, "vllm_error_line"
-        self.stalled_since = None
-        self.last_error_line = None
+            signs.append((self.stalled_since, "last_token_progress"))
+        for t, source in ((self.last_error_line, "vllm_error_line"),
+                          (self.exit_seen, "child_exit_seen")):
+            if t is not None and now - FAULT_LINE_WINDOW <= t <= now:
+                signs.append((t, source))
+        fault, source = min(signs)
+        self.stalled_since = self.last_error_line = self.exit_seen = None
         return RecoveryTimeline(now, self.wall(), reason.split(":", 1)[0] or src, fault,
                                 source)
 

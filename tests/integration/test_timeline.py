@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -57,10 +58,12 @@ def test_startup_and_recovery_timelines_metrics_and_the_fixed_kv_budget(tmp_path
         assert counts["total"] == 1 and counts["engine_up"] == 1 and counts["ready"] == 1
         assert json.loads(get(status_port, "/status"))["startup_timeline"]["at"] == at
 
-        # A crash: the EngineCore killed. The relaunch gets the recorded KV budget.
+        # A crash: the API server killed (no error line from vLLM: the fault is when the loop
+        # saw the exit, the supervisor's child_exit_seen). The relaunch gets the KV budget.
         mark = d.mark()
-        d.engine_core().send_signal(signal.SIGKILL)
+        os.kill(d.last_child_pid(), signal.SIGKILL)
         rec: dict[str, Any] = d.wait_event("recovery_timeline", 300, after=mark)
+        assert rec["fault_source"] == "child_exit_seen" and rec["cause"] == "signal"
         assert ordered(rec["at"], RECOVERY_MARKS)
         assert list(rec["at"]) == list(RECOVERY_MARKS)
         assert rec["total"] == rec["at"]["ready"] > 0

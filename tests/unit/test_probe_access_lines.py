@@ -65,7 +65,7 @@ def test_cli_on_line_drops_probe_access_lines(monkeypatch: pytest.MonkeyPatch) -
 
     captured: dict[str, object] = {}
 
-    def fake_spawn(cfg: object, on_line: object) -> None:
+    def fake_spawn(cfg: object, on_line: object, **_kw: object) -> None:
         captured["on_line"] = on_line
         raise SystemExit(0)
 

@@ -255,6 +255,19 @@ def test_a_hang_starts_at_the_last_token_progress_and_retries_count_as_one_recov
     assert rec["cause"] == "hang"
 
 
+def test_an_exit_seen_by_the_loop_is_the_fault_when_vllm_said_nothing() -> None:
+    clock, log = Clock(), Log()
+    w = TimelineWatch(log, clock=clock)
+    start(w, clock)
+    clock.t += 10
+    w("child_exit_seen", {"code": -9})
+    clock.t += 4.0  # reap() waits for vLLM's output before it fails the child
+    tr(w, "ready", "restarting", "signal: SIGKILL")
+    start(w, clock, src="restarting")
+    (rec,) = log.named("recovery_timeline")
+    assert (rec["fault_source"], rec["took"]["detect"]) == ("child_exit_seen", 4.0)
+
+
 def test_a_stop_before_ready_drops_the_recovery() -> None:
     clock, log = Clock(), Log()
     w = TimelineWatch(log, clock=clock)
