@@ -23,16 +23,21 @@ def cache_root(env: Mapping[str, str]) -> str | None:
     return root or None
 
 
-def cache_environment(env: Mapping[str, str]) -> dict[str, str]:
+def cache_environment(env: Mapping[str, str], configured: Mapping[str, str] | None = None
+                      ) -> dict[str, str]:
     """The parent environment with the cache variables defaulted under the cache root.
 
-    Only what is unset is filled in; the config's ``[vllm.env]`` is applied after this and wins.
+    ``configured`` is the config's ``[vllm.env]``: a VLLM_CACHE_ROOT there is the root, and
+    what it sets itself is left to it (it is applied after this and wins).
     """
     out = dict(env)
-    root = cache_root(env)
+    configured = configured or {}
+    root = cache_root({**env, **configured})
     if root is None:
         return out  # not under systemd and nothing configured: vLLM's own defaults
-    out.setdefault("VLLM_CACHE_ROOT", root)
-    out.setdefault("TRITON_CACHE_DIR", os.path.join(root, "triton"))
-    out.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "inductor"))
+    for name, value in (("VLLM_CACHE_ROOT", root),
+                        ("TRITON_CACHE_DIR", os.path.join(root, "triton")),
+                        ("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "inductor"))):
+        if name not in configured:
+            out.setdefault(name, value)
     return out

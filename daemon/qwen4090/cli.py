@@ -192,7 +192,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     def spawn(c: Config) -> Any:
         if c.restart.readahead:
             readahead.start(c.vllm.model, log)
-        return child.spawn(c, on_line, env=caches.cache_environment(os.environ))
+        return child.spawn(c, on_line, env=caches.cache_environment(os.environ, c.vllm.env))
 
     def kv_record(report: dict[str, Any]) -> None:
         if kv.record(holder["sup"].launch_cfg, report):

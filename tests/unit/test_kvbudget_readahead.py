@@ -116,6 +116,9 @@ def test_cache_environment_defaults_under_the_cache_root() -> None:
     own = cache_environment({"VLLM_CACHE_ROOT": "/c", "TRITON_CACHE_DIR": "/t"})
     assert own["TRITON_CACHE_DIR"] == "/t"  # set by the sysadmin: kept
     assert cache_environment({"HOME": "/h"}) == {"HOME": "/h"}  # nothing to go by
+    # the config's [vllm.env] names the root: the caches follow it
+    env = cache_environment({"HOME": "/h"}, {"VLLM_CACHE_ROOT": "/v"})
+    assert env["TRITON_CACHE_DIR"] == "/v/triton" and "VLLM_CACHE_ROOT" not in env  # its own
 
 
 def test_units_put_vllms_caches_in_their_cache_directory_which_survives_upgrades() -> None:
