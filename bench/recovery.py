@@ -168,10 +168,19 @@ def steps_after(d: Daemon, mark: int, t0: float) -> dict[str, float]:
     return out
 
 
+def event_soon(d: Daemon, name: str, after: int = 0) -> dict[str, Any] | None:
+    """An event logged right after READY (the log reader may not have it yet); None when this
+    daemon does not log it (an older checkout)."""
+    try:
+        return d.wait_for(lambda: d.event(name, after), 5.0, name)  # type: ignore[no-any-return]
+    except AssertionError:
+        return None
+
+
 def first_start(d: Daemon, t_launch: float) -> dict[str, Any]:
     ev = d.wait_state("ready", READY_TIMEOUT)
     res: dict[str, Any] = {"ready": round(ev["_t"] - t_launch, 2), "kv_tokens": kv_tokens(d, 0)}
-    st = d.event("startup_timeline")
+    st = event_soon(d, "startup_timeline")
     if st is not None:
         res["startup_timeline"] = {k: st[k] for k in ("at", "took", "compile_cache",
                                                       "kv_tokens")}
@@ -227,13 +236,13 @@ def run_scenario(name: str, cfg: dict[str, dict[str, Any]], tmp: Path, cache: Pa
             load.close()
         res["steps"] = steps_after(d, mark, t0)
         res["kv_tokens_after"] = kv_tokens(d, mark)
-        rec = d.event("recovery_timeline", mark)
+        rec = event_soon(d, "recovery_timeline", mark)
         if rec is not None:
             res["recovery_timeline"] = {k: rec[k] for k in ("at", "took", "fault_source",
                                                             "cause", "attempts")}
             res["fault_to_detected_by_daemon_wall"] = round(
                 rec["detected_wall"] - (time.time() - (time.monotonic() - t0)), 2)
-        st = d.event("startup_timeline", mark)
+        st = event_soon(d, "startup_timeline", mark)
         if st is not None:
             res["restart_startup_timeline"] = {k: st[k] for k in ("at", "took",
                                                                   "compile_cache")}
