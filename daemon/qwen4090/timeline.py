@@ -76,9 +76,11 @@ _KV_TOKENS = re.compile(r"KV cache size: (?P<n>[\d,]+) tokens")
 _KV_GIB = re.compile(r"Available KV cache memory: (?P<g>-?[\d.]+) GiB|"
                      r"reserved (?P<r>[\d.]+) GiB memory for KV Cache|"
                      r"Explicitly set \((?P<c>[\d.]+)/[\d.]+\) GiB for KV cache")
-# torch.compile cache: a hit loads, a miss compiles (and saves).
+# torch.compile cache: a hit loads, a miss compiles (and saves); 0.32's AOT path may also fail
+# to load and say "Compiling model again due to a load failure from PATH, reason: ...".
 _CACHE_HIT = re.compile(r"Directly load (?:the compiled graph|AOT compilation)")
-_CACHE_MISS = re.compile(r"Compiling a graph for compile range|saved AOT compiled function")
+_CACHE_MISS = re.compile(r"Compiling a graph for compile range|saved AOT compiled function|"
+                         r"Compiling model again due to a load failure")
 GIB = 1024 ** 3
 
 

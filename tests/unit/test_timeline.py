@@ -80,6 +80,8 @@ def test_gpu_026_start_quoted_lines() -> None:
 @pytest.mark.parametrize(("line", "field", "value"), [
     ("(EngineCore_DP0 pid=9) INFO 11-30 14:03:06 [backends.py:293] Directly load the compiled "
      "graph(s) for compile range (1, 8192) from the cache, took 2.171 s", "compile_cache", "hit"),
+    ("(Worker pid=7) WARNING 12-01 09:30:01 [decorators.py:333] [backbone] Compiling model again "
+     "due to a load failure from /c/model, reason: boom", "compile_cache", "miss"),
     ("(EngineCore pid=9) INFO 11-30 14:03:06 [gpu_worker.py:478] Initial free memory 139.2 GiB,"
      " reserved 4.6 GiB memory for KV Cache as specified by kv_cache_memory_bytes config and "
      "skipped memory profiling.", "kv_bytes", int(4.6 * 1024 ** 3)),
