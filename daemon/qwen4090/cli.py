@@ -134,6 +134,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     logs.setup(cfg.log.format, cfg.log.level)
     log = logs.get_logger()
     log.info("starting", version=__version__, config=",".join(cfg.sources), pid=os.getpid())
+    # --- one instance per vLLM port, and what a killed one left (issue 8.3, 8.5; instance.py)
+    from qwen4090 import instance
+
+    try:
+        inst = instance.Instance.take(cfg, log)
+    except instance.InstanceError as e:
+        log.error("instance_refused", error=str(e))
+        return EX_CONFIG
+    # --- end
     child.become_subreaper()
     wake = signals.Wakeup()
     notifier = Notifier(on_error=lambda msg: log.warning("notify_failed", error=msg))
@@ -168,6 +177,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     why = gpu.wait_for_driver(cfg, notifier.extend_timeout)
     if why:
         log.error("gpu_driver_not_ready", reason=why, waited=cfg.gpu.driver_wait)
+    gpu.device = cfg.gpu.device  # (owner) the orphan's GPU memory is looked up on our device
+    inst.stop_orphans(cfg.stop.term_timeout,
+                      gpu.gpu_held if cfg.gpu.enabled != "off" else None,
+                      cfg.gpu.release_timeout)
     # --- recovery: a fixed KV budget from the last good start, read-ahead of the weights
     from qwen4090 import caches, kvbudget, learned, readahead
 
@@ -192,7 +205,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     def spawn(c: Config) -> Any:
         if c.restart.readahead:
             readahead.start(c.vllm.model, log)
-        return child.spawn(c, on_line, env=caches.cache_environment(os.environ, c.vllm.env))
+        return inst.spawn(c, lambda launch: child.spawn(
+            launch, on_line, env=caches.cache_environment(os.environ, launch.vllm.env)))
 
     def kv_record(report: dict[str, Any]) -> None:
         if kv.record(holder["sup"].launch_cfg, report):
@@ -209,6 +223,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # --- end recovery
     parts = Parts(
         spawn=spawn,
+        ports=inst,
         make_probe=make_probe,
         preflight=preflight,
         adjust_after_failure=gpu.adjust_after_failure,
@@ -248,6 +263,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         signals.restore()
         gpu.stop_watch()
+        inst.close(group_gone=sup.child is None or not sup.child.group_alive())
     code = sup.exit_code if sup.exit_code is not None else EX_SOFTWARE
     log.info("exiting", exit_code=code, state=sup.state.value)
     return code

@@ -137,6 +137,9 @@ class RestartConfig:
     readahead: bool = opt(True, "at each launch, read the model's weight files into the page "
                                 "cache while vLLM imports (skipped when they exceed half of "
                                 "the available memory)")
+    port_wait: float = opt(120.0, "seconds to wait for vLLM's port while another process holds "
+                                  "it (not a failure); then each held start counts", min=0,
+                           max=86400)
 
 
 @dataclass(frozen=True)

@@ -50,10 +50,12 @@ class Cause(enum.Enum):
     PREFLIGHT = "preflight"  # something outside vLLM is not ready yet (port busy, ...)
     RELOAD = "reload"  # a controlled restart after SIGHUP changed vLLM settings
     GPU_FATAL = "gpu_fatal"  # an Xid that needs a GPU reset or a reboot (xid.py)
+    PORT_HELD = "port_held"  # vLLM could not listen: another process has its port (8.4)
 
 
 # Causes that are not failures of vLLM: they do not count against the budget.
-NOT_FAILURES = frozenset({Cause.RELOAD})
+# A held port is waited on by the supervisor (bounded by restart.port_wait), not counted.
+NOT_FAILURES = frozenset({Cause.RELOAD, Cause.PORT_HELD})
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ _OOM_PATTERNS = [
         r"Insufficient memory",
     )
 ]
+_PORT_IN_USE = re.compile(r"\[Errno 98\]|address already in use", re.I)
+_PORT_LINES = 40  # its traceback's last lines: an old warning must not decide
 _ARGPARSE = re.compile(r"(^|: )error: (unrecognized arguments|argument |invalid choice|"
                        r"the following arguments are required)")
 
@@ -93,6 +97,12 @@ def classify_exit(returncode: int, tail: Iterable[str], requested: Cause | None 
     if requested is not None:
         return ExitVerdict(requested, f"stopped by qwen4090 ({_status(returncode)})",
                            retry=True)
+    # --- issue 8.4 (owner): vLLM binds early, listens late: a stranger can take the port
+    # in between and vLLM then dies of it after loading.  Not a crash of vLLM.
+    for line in lines[-_PORT_LINES:]:
+        if _PORT_IN_USE.search(line):
+            return ExitVerdict(Cause.PORT_HELD, _clip(line), retry=True)
+    # --- end 8.4
     for line in reversed(lines):
         for pat in _OOM_PATTERNS:
             if pat.search(line):

@@ -2,7 +2,8 @@
 
 Configuration problems (missing model directory, unusable command, loose API-key file) are
 :class:`ConfigError` and are never retried.  Conditions that may pass by themselves (the port
-still held by a dying process) are transient: the start is retried with backoff.
+still held by a dying process) are transient: the start is retried with backoff.  A port held
+by another process is named (pid, command line) and waited on without counting a failure.
 GPU checks (driver, free VRAM, the KV-cache plan) plug in as extra checks.
 """
 
@@ -11,19 +12,20 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from qwen4090.child import api_key_path
 from qwen4090.config import Config, ConfigError, read_secret
+from qwen4090.instance import port_holders, try_bind
 
 
 @dataclass
 class PreflightResult:
     fatal: ConfigError | None = None  # never heals: exit 78
     transient: str | None = None  # may heal: retry with backoff
+    port_holder: str | None = None  # vLLM's port is held by this process: wait, do not count
     warnings: list[str] = field(default_factory=list)
     facts: dict[str, object] = field(default_factory=dict)  # for logs and status
     # The config to launch with, when a check changed it ("auto" limits chosen by the KV-cache
@@ -88,19 +90,18 @@ def check_api_key(cfg: Config, res: PreflightResult, env: Mapping[str, str] | No
 
 def check_port(cfg: Config, res: PreflightResult) -> None:
     host, port = cfg.vllm.host, cfg.vllm.port
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                res.transient = f"port {host}:{port} is in use by another process"
-            elif e.errno == errno.EADDRNOTAVAIL:
-                res.fatal = ConfigError(cfg.sources[0] if cfg.sources else None, "vllm.host",
-                                        f"{host} is not an address of this machine")
-            else:
-                res.transient = f"cannot bind {host}:{port}: {e.strerror}"
+    e = try_bind(host, port)
+    if e is None:
+        return
+    if e.errno == errno.EADDRINUSE:
+        # Waited on by the supervisor (restart.port_wait), not counted as a vLLM failure.
+        res.port_holder = port_holders(host, port)
+        res.transient = f"port {host}:{port} is in use by {res.port_holder}"
+    elif e.errno == errno.EADDRNOTAVAIL:
+        res.fatal = ConfigError(cfg.sources[0] if cfg.sources else None, "vllm.host",
+                                f"{host} is not an address of this machine")
+    else:
+        res.transient = f"cannot bind {host}:{port}: {e.strerror}"
 
 
 def check_runtime_version(cfg: Config, res: PreflightResult) -> None:

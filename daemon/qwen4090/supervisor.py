@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from qwen4090 import states
 from qwen4090.config import AUTO, Config, ConfigError, changed_sections
+from qwen4090.instance import PortOwner, PortWait, UncheckedPorts
 from qwen4090.policy import (
     EX_CONFIG,
     EX_GPU,
@@ -55,6 +56,8 @@ EXTEND_EVERY = 10.0
 EXTEND_BY = 60.0
 PROGRESS_WINDOW = 120.0  # output or warmup steps within this long count as "making progress"
 KILL_WAIT = 30.0  # after SIGKILL, how long we wait for the group before saying who survived
+PORT_RETRY = 1.0  # while vLLM's port is held: how often we look again
+PORT_SAY_EVERY = 30.0  # ... and how often we say again who holds it
 
 
 # --- the parts the supervisor drives (real ones are built in cli.py) ------------------------
@@ -91,6 +94,13 @@ class NotifierLike(Protocol):
     def reloading(self) -> bool: ...
 
 
+class PortsLike(Protocol):
+    """vLLM's port (instance.py): who holds it, and whether our child's group listens on it."""
+
+    def holder(self, host: str, port: int) -> str | None: ...
+    def owner(self, child: ChildLike, host: str, port: int) -> PortOwner: ...
+
+
 class ExecutorLike(Protocol):
     def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future[Any]: ...
 
@@ -117,6 +127,7 @@ class Parts:
     # Which of these pids still hold GPU memory (None = released or cannot tell).
     gpu_held: Callable[[list[int]], str | None] | None = None
     release_timeout: float = 30.0  # how long a relaunch waits for gpu_held to clear
+    ports: PortsLike = field(default_factory=UncheckedPorts)
 
 
 @dataclass
@@ -180,6 +191,8 @@ class Supervisor:
         self.last_watchdog = -1e18
         self.last_extend = -1e18
         self.last_status = ""
+        self.port_wait = PortWait()
+        self.stranger_said = 0  # the generation for which port_answered_by_stranger was logged
 
     # --- public surface ------------------------------------------------------------------
 
@@ -310,7 +323,7 @@ class Supervisor:
             return
         self.emit("child_exit_seen", {"code": rc})  # recovery: the timeline's fault mark
         self.child.flush_output(2.0)
-        verdict = classify_exit(rc, self.child.tail_lines())
+        verdict = self.port_verdict(now, classify_exit(rc, self.child.tail_lines()))
         self.log.warning("child_exited", pid=self.child.pid, code=rc, cause=verdict.cause.value,
                          detail=verdict.detail)
         self.fail(now, verdict)
@@ -343,6 +356,8 @@ class Supervisor:
     # --- per-state steps -----------------------------------------------------------------
 
     def step_preflight(self, now: float) -> None:
+        if self.port_wait.holder and self.port_still_held(now):
+            return
         res = self.p.preflight(self.cfg)
         for w in res.warnings:
             self.log.warning("preflight_warning", detail=w)
@@ -350,6 +365,8 @@ class Supervisor:
             self.give_up(now, EX_CONFIG, str(res.fatal))
             return
         if res.transient is not None:
+            if res.port_holder is not None and self.wait_for_port(now, res.port_holder):
+                return
             self.fail(now, ExitVerdict(Cause.PREFLIGHT, res.transient, True))
             return
         launch = res.config or self.cfg
@@ -402,7 +419,9 @@ class Supervisor:
 
     def on_health(self, now: float, res: HealthResult) -> None:
         if self.state == S.LOADING:
-            if res.ok:
+            # A 200 counts only from our own live vLLM (issue 8.2): an exited one is reap's.
+            alive = self.child is not None and self.child.poll() is None
+            if res.ok and alive and self.stranger_on_port() is None:
                 self.log.info("health_ok", seconds_since_launch=round(now - self.spawned_at, 1))
                 self.begin_warmup(now)
             return
@@ -483,6 +502,9 @@ class Supervisor:
             return
         health, metrics = res
         w = self.cfg.watch
+        if health.ok and (stranger := self.stranger_on_port()) is not None:
+            health = HealthResult(False, health.status, health.seconds,
+                                  f"port answered by {stranger}, not by our vLLM")
         if health.ok:
             if self.unhealthy_since is not None:
                 self.log.info("health_recovered", after=round(now - self.unhealthy_since, 1))
@@ -666,6 +688,76 @@ class Supervisor:
     def step_failed(self, now: float) -> None:
         pass
 
+    # --- vLLM's port: ours, or held by someone else (issue 8.2, 8.4; instance.py) -----------
+
+    def stranger_on_port(self) -> str | None:
+        """Who listens on vLLM's port when it is not our child's group (None: ours).
+
+        A 200 from anyone else (a stray server, another supervisor's vLLM) must never count
+        as our vLLM: no warmup and no READY=1 against it.  "Cannot tell" counts as ours, and
+        so does no child: an exited vLLM is reap's, in this same step.
+        """
+        child = self.child
+        if child is None or child.poll() is not None:
+            return None
+        v = self.launch_cfg.vllm
+        owner = self.p.ports.owner(child, v.host, v.port)
+        if owner.ours is not False:
+            self.port_wait.reset()
+            return None
+        if self.stranger_said != self.generation:
+            self.stranger_said = self.generation
+            self.log.warning("port_answered_by_stranger", port=f"{v.host}:{v.port}",
+                             holder=owner.holder, pid=child.pid,
+                             detail="not counted as our vLLM's /health")
+        return owner.holder
+
+    def wait_for_port(self, now: float, holder: str) -> bool:
+        """True while a held port is waited on (in PREFLIGHT, not a failure), bounded by
+        restart.port_wait; False once that is spent (the caller counts a failure)."""
+        v, limit = self.cfg.vllm, self.cfg.restart.port_wait
+        waited = round(self.port_wait.waited(now), 1)
+        wait, say = self.port_wait.observe(now, holder, limit, PORT_SAY_EVERY)
+        if say:
+            self.log.warning("port_busy", port=f"{v.host}:{v.port}", holder=holder,
+                             waited=waited, limit=limit)
+        if not wait:
+            self.log.error("port_wait_spent", port=f"{v.host}:{v.port}", holder=holder,
+                           waited=waited, limit=limit)
+        self.port_wait.next_check = now + PORT_RETRY
+        return wait
+
+    def port_still_held(self, now: float) -> bool:
+        """While waiting for the port: look again (cheaply, not the whole preflight).  True:
+        nothing more to do in this step (still waiting, or the wait is spent and counted)."""
+        if now < self.port_wait.next_check:
+            return True
+        v = self.cfg.vllm
+        holder = self.p.ports.holder(v.host, v.port)
+        if holder is None:
+            self.log.info("port_free", port=f"{v.host}:{v.port}",
+                          waited=round(self.port_wait.waited(now), 1))
+            self.port_wait.holder = ""
+            return False
+        if not self.wait_for_port(now, holder):
+            self.fail(now, ExitVerdict(Cause.PREFLIGHT, f"port {v.host}:{v.port} is in use by "
+                                                        f"{holder}", True))
+        return True
+
+    def port_verdict(self, now: float, verdict: ExitVerdict) -> ExitVerdict:
+        """vLLM died of a held port: waited on like a held port at preflight, until the wait is
+        spent; then it counts (so a port that looks free to us but not to vLLM cannot loop)."""
+        if verdict.cause != Cause.PORT_HELD:
+            return verdict
+        limit = self.cfg.restart.port_wait
+        if self.port_wait.spent(now, limit):
+            self.port_wait.reset()
+            return ExitVerdict(Cause.PREFLIGHT, f"{verdict.detail} (restart.port_wait = "
+                                                f"{limit:g}s spent)", True)
+        if self.port_wait.since is None:
+            self.port_wait.since = now
+        return verdict
+
     # --- failure and stopping the child ----------------------------------------------------
 
     def fail(self, now: float, verdict: ExitVerdict, requested: bool = False) -> None:
@@ -784,6 +876,10 @@ class Supervisor:
             line = f"stopping: {self.stop_phase or 'stop'} ({secs}s)"
         elif s == S.FAILED:
             line = f"failed: {self.state_reason}"[:400]
+        elif s == S.PREFLIGHT and self.port_wait.holder:
+            c = self.cfg.vllm
+            line = f"waiting for port {c.host}:{c.port} held by {self.port_wait.holder}"[:400] \
+                + tail
         else:
             line = f"{s.value}: {self.state_reason}"
         return f"{line}; {note}" if note else line

@@ -103,6 +103,9 @@ class Daemon:
         env = {**os.environ, "NOTIFY_SOCKET": self.notify_path, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": str(REPO / "daemon")}
         env.pop("WATCHDOG_USEC", None)
+        # (owner, issue 8.3) the instance lock and child record: per test, as systemd's
+        # RuntimeDirectory= would give; daemons of one test share them.
+        env["RUNTIME_DIRECTORY"] = str(tmp)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "qwen4090", "run", "--config", str(config_path)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

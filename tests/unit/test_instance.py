@@ -1,0 +1,233 @@
+"""instance.py's decisions with plain values, and its lock on real files (no processes)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qwen4090.config import from_dict
+from qwen4090.instance import (
+    ChildRecord,
+    Instance,
+    InstanceError,
+    Listener,
+    PortWait,
+    ProcInfo,
+    describe_holders,
+    flock_holders,
+    instance_name,
+    judge_orphans,
+    matches_endpoint,
+    runtime_dir,
+)
+
+VLLM = ("/opt/qwen4090/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server")
+ENGINE = ("VLLM::EngineCore",)
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, dict[str, Any]]] = []
+
+    def __getattr__(self, level: str) -> Any:
+        return lambda event, **kw: self.events.append((level, event, kw))
+
+
+def record(members: tuple[ProcInfo, ...] = ()) -> ChildRecord:
+    return ChildRecord(pid=500, pgid=500, create_time=1000.0, cmdline=VLLM,
+                       supervisor_pid=400, members=members)
+
+
+# --- where and what name ---------------------------------------------------------------------
+
+
+def test_runtime_directory_order(tmp_path: Path) -> None:
+    cfg = from_dict({"gpu": {"state_directory": str(tmp_path / "state")}})
+    assert runtime_dir(cfg, {"RUNTIME_DIRECTORY": f"{tmp_path}/rt:/x"},
+                       usable=lambda p: True) == tmp_path / "rt"
+    assert runtime_dir(cfg, {}, usable=lambda p: p == "/run/qwen4090") == Path("/run/qwen4090")
+    assert runtime_dir(cfg, {}, usable=lambda p: False) == tmp_path / "state"
+    plain = from_dict({})
+    assert runtime_dir(plain, {"STATE_DIRECTORY": "/var/lib/q"},
+                       usable=lambda p: False) == Path("/var/lib/q")
+
+
+def test_instance_name_is_a_safe_file_name() -> None:
+    assert instance_name("127.0.0.1", 8000) == "instance-127.0.0.1-8000"
+    assert instance_name("::1", 8000) == "instance-__1-8000"
+    assert instance_name("", 80) == "instance-any-80"
+    assert "/" not in instance_name("../../etc", 1)
+
+
+# --- which processes a previous instance left ---------------------------------------------
+
+
+def test_live_verified_leader_proves_the_whole_group() -> None:
+    leader = ProcInfo(500, 1000.0, VLLM, pgid=500)
+    engine = ProcInfo(510, 1003.0, ENGINE, pgid=500)
+    v = judge_orphans(record(), [leader], [leader, engine])
+    assert v.group and [p.pid for p in v.ours] == [500, 510] and not v.unverified
+
+
+def test_reused_pid_is_never_ours() -> None:
+    # pid 500 now belongs to a process born later: a stranger, whatever its group holds.
+    stranger = ProcInfo(500, 2000.0, VLLM, pgid=500)
+    v = judge_orphans(record(), [stranger], [stranger])
+    assert v.ours == [] and not v.group and v.reused == [stranger]
+    assert v.unverified == [stranger]
+
+
+def test_same_pid_and_start_but_other_command_is_not_ours() -> None:
+    other = ProcInfo(500, 1000.0, ("/usr/bin/postgres",), pgid=500)
+    v = judge_orphans(record(), [other], [other])
+    assert v.ours == [] and v.reused == [other]
+
+
+def test_start_time_tolerance_is_tight() -> None:
+    assert ProcInfo(1, 1000.0, VLLM).same_process(ProcInfo(1, 1000.04, VLLM))
+    assert not ProcInfo(1, 1000.0, VLLM).same_process(ProcInfo(1, 1000.2, VLLM))
+
+
+def test_leaderless_group_is_ours_through_a_recorded_member() -> None:
+    engine = ProcInfo(510, 1003.0, ENGINE, pgid=500)
+    worker = ProcInfo(511, 1004.0, ("VLLM::Worker",), pgid=500)
+    rec = record(members=(ProcInfo(510, 1003.0, ENGINE),))
+    v = judge_orphans(rec, [engine], [engine, worker])
+    assert v.group and {p.pid for p in v.ours} == {510, 511}
+
+
+def test_leaderless_group_without_proof_is_only_reported() -> None:
+    engine = ProcInfo(510, 1003.0, ENGINE, pgid=500)
+    v = judge_orphans(record(), [], [engine])
+    assert v.ours == [] and v.unverified == [engine] and not v.group
+
+
+def test_verified_member_that_left_the_group_is_signalled_alone() -> None:
+    moved = ProcInfo(510, 1003.0, ENGINE, pgid=777)
+    rec = record(members=(ProcInfo(510, 1003.0, ENGINE),))
+    v = judge_orphans(rec, [moved], [])
+    assert v.ours == [moved] and not v.group
+
+
+def test_record_round_trip_and_torn_record() -> None:
+    rec = record(members=(ProcInfo(510, 1003.5, ENGINE),))
+    assert ChildRecord.from_json(rec.to_json()) == rec
+    assert ChildRecord.from_json(rec.to_json()[:20]) is None
+    assert ChildRecord.from_json('{"pid": "x"}') is None
+    assert ChildRecord.from_json("[]") is None
+
+
+# --- ports ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("ip", "port", "host", "want", "ok"), [
+    ("127.0.0.1", 8000, "127.0.0.1", 8000, True),
+    ("127.0.0.1", 8001, "127.0.0.1", 8000, False),
+    ("0.0.0.0", 8000, "127.0.0.1", 8000, True),
+    ("127.0.0.1", 8000, "0.0.0.0", 8000, True),
+    ("::", 8000, "127.0.0.1", 8000, True),
+    ("::ffff:127.0.0.1", 8000, "127.0.0.1", 8000, True),
+    ("10.0.0.5", 8000, "127.0.0.1", 8000, False),
+    ("127.0.0.1", 8000, "localhost", 8000, True),
+])
+def test_matches_endpoint(ip: str, port: int, host: str, want: int, ok: bool) -> None:
+    assert matches_endpoint(ip, port, host, want) is ok
+
+
+def test_describe_holders() -> None:
+    cmd = {42: ["python3", "-m", "http.server", "8000"]}
+    assert describe_holders([Listener("127.0.0.1", 8000, 42)], cmd, "qwen4090") == \
+        "pid 42 (python3 -m http.server 8000)"
+    assert describe_holders([Listener("127.0.0.1", 8000, None)], {}, "qwen4090") == \
+        "an unknown process (not visible to user qwen4090)"
+    assert describe_holders([], {}, "bob") == "an unknown process (not visible to user bob)"
+    two = [Listener("0.0.0.0", 1, 42), Listener("::", 1, 42), Listener("::", 1, 43)]
+    assert describe_holders(two, cmd, "x") == "pid 42 (python3 -m http.server 8000), pid 43"
+    long = describe_holders([Listener("::", 1, 7)], {7: ["x" * 500]}, "x")
+    assert len(long) < 230 and long.endswith("...)")
+
+
+def test_flock_holders_from_proc_locks() -> None:
+    text = ("1: FLOCK  ADVISORY  WRITE 1234 08:01:123456 0 EOF\n"
+            "1: -> FLOCK  ADVISORY  WRITE 999 08:01:123456 0 EOF\n"
+            "2: POSIX  ADVISORY  WRITE 77 08:01:123456 0 EOF\n"
+            "3: FLOCK  ADVISORY  WRITE 55 fd:00:123456 0 EOF\n")
+    assert flock_holders(text, 8, 1, 123456) == [1234]
+    assert flock_holders(text, 253, 0, 123456) == [55]
+
+
+def test_port_wait_is_bounded_and_says_again_every_30s() -> None:
+    w = PortWait()
+    assert w.observe(0.0, "pid 1 (x)", 120, 30) == (True, True)
+    assert w.observe(1.0, "pid 1 (x)", 120, 30) == (True, False)
+    assert w.observe(30.0, "pid 1 (x)", 120, 30) == (True, True)
+    assert w.observe(31.0, "pid 2 (y)", 120, 30) == (True, True)  # a new holder is news
+    assert w.spent(119.0, 120) is False and w.spent(120.0, 120) is True
+    assert w.observe(120.0, "pid 2 (y)", 120, 30) == (False, False)
+    assert w.since is None and w.holder == ""  # spent: the next held port starts over
+    assert PortWait().observe(5.0, "h", 0, 30) == (False, False)  # port_wait = 0: no wait
+
+
+# --- the lock on real files ------------------------------------------------------------------
+
+
+def test_second_lock_on_the_same_port_names_the_holder(tmp_path: Path) -> None:
+    cfg = from_dict({"vllm": {"port": 8123}})
+    first = Instance.take(cfg, Log(), env={"RUNTIME_DIRECTORY": str(tmp_path)})
+    try:
+        assert (tmp_path / "instance-127.0.0.1-8123.lock").read_text() == f"{os.getpid()}\n"
+        with pytest.raises(InstanceError) as e:
+            Instance.take(cfg, Log(), env={"RUNTIME_DIRECTORY": str(tmp_path)})
+        msg = str(e.value)
+        assert f"pid {os.getpid()} (" in msg and "instance-127.0.0.1-8123.lock" in msg
+        assert "\n" not in msg and "vllm.port" in msg
+        other = from_dict({"vllm": {"port": 8124}})  # another port: its own lock
+        Instance.take(other, Log(), env={"RUNTIME_DIRECTORY": str(tmp_path)}).close(True)
+    finally:
+        first.close(group_gone=True)
+    again = Instance.take(cfg, Log(), env={"RUNTIME_DIRECTORY": str(tmp_path)})
+    again.close(True)
+
+
+def test_unusable_directory_is_one_line_naming_path_and_fix(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(InstanceError) as e:
+        Instance.take(from_dict({}), Log(), env={"RUNTIME_DIRECTORY": str(blocker / "rt")})
+    msg = str(e.value)
+    assert str(blocker / "rt" / "instance-127.0.0.1-8000.lock") in msg
+    assert "RuntimeDirectory=qwen4090" in msg and "gpu.state_directory" in msg
+    assert "\n" not in msg
+
+
+def test_follow_moves_the_lock_to_a_new_port(tmp_path: Path) -> None:
+    env = {"RUNTIME_DIRECTORY": str(tmp_path)}
+    inst = Instance.take(from_dict({"vllm": {"port": 8200}}), Log(), env=env)
+    blocker = Instance.take(from_dict({"vllm": {"port": 8202}}), Log(), env=env)
+    try:
+        inst.follow(from_dict({"vllm": {"port": 8201}}))
+        assert inst.lock_path.name == "instance-127.0.0.1-8201.lock"
+        Instance.take(from_dict({"vllm": {"port": 8200}}), Log(), env=env).close(True)
+        from qwen4090.config import ConfigError
+        with pytest.raises(ConfigError) as e:
+            inst.follow(from_dict({"vllm": {"port": 8202}}))
+        assert "vllm.port" in str(e.value) and "another qwen4090" in str(e.value)
+        assert inst.lock_path.name == "instance-127.0.0.1-8201.lock"  # kept what it had
+    finally:
+        inst.close(True)
+        blocker.close(True)
+
+
+def test_unreadable_record_is_said_and_ignored(tmp_path: Path) -> None:
+    log = Log()
+    inst = Instance.take(from_dict({}), log, env={"RUNTIME_DIRECTORY": str(tmp_path)})
+    try:
+        inst.record_path.write_text("{torn")
+        assert inst.stop_orphans(1.0) == []
+        assert any(e == "child_record_unreadable" for _, e, _ in log.events)
+    finally:
+        inst.close(True)
+

@@ -1,0 +1,275 @@
+"""The supervisor and vLLM's port (issue 8.2, 8.4): fake clock, fake parts, no processes."""
+
+from __future__ import annotations
+
+import random
+import signal
+from concurrent.futures import Future
+from typing import Any
+
+from qwen4090.config import Config, from_dict
+from qwen4090.instance import PortOwner
+from qwen4090.policy import Cause, classify_exit
+from qwen4090.preflight import PreflightResult
+from qwen4090.probes.http import (
+    GENERATION_TOKENS,
+    RUNNING,
+    WAITING,
+    CompletionResult,
+    HealthResult,
+    MetricsResult,
+)
+from qwen4090.states import State
+from qwen4090.supervisor import Parts, Supervisor
+from qwen4090.warmup import WarmupResult, WarmupRow
+
+STRANGER = "pid 4242 (python3 -m http.server 8000)"
+IN_USE = "OSError: [Errno 98] Address already in use"
+
+
+class Child:
+    next_pid = 100
+
+    def __init__(self) -> None:
+        Child.next_pid += 1
+        self.pid = Child.next_pid
+        self.lines = 1
+        self.last_output = 0.0
+        self.rc: int | None = None
+        self.tail: list[str] = []
+
+    def poll(self) -> int | None:
+        return self.rc
+
+    def tail_lines(self) -> list[str]:
+        return self.tail
+
+    def flush_output(self, timeout: float = 2.0) -> None:
+        pass
+
+    def signal_group(self, sig: int) -> bool:
+        if self.rc is None and sig in (signal.SIGTERM, signal.SIGKILL):
+            self.rc = -sig
+        return True
+
+    def group_alive(self) -> bool:
+        return self.rc is None
+
+    def group_members(self) -> list[int]:
+        return [self.pid] if self.rc is None else []
+
+
+class Probe:
+    def health(self, timeout: float) -> HealthResult:
+        return HealthResult(True, 200, 0.001)  # someone answers 200: ours or not
+
+    def metrics(self, timeout: float) -> MetricsResult:
+        return MetricsResult(True, {RUNNING: 0.0, WAITING: 0.0, GENERATION_TOKENS: 0.0})
+
+    def complete(self, prompt: Any, max_tokens: int, timeout: float) -> CompletionResult:
+        return CompletionResult(True, 0.01, 0.02, 1)
+
+
+class Ports:
+    """Who holds the port (None: free) and whether our child listens on it."""
+
+    def __init__(self) -> None:
+        self.held_by: str | None = None
+        self.ours = True
+        self.owner_calls = 0
+
+    def holder(self, host: str, port: int) -> str | None:
+        return self.held_by
+
+    def owner(self, child: Any, host: str, port: int) -> PortOwner:
+        self.owner_calls += 1
+        return PortOwner(True) if self.ours else PortOwner(False, STRANGER)
+
+
+class Notifier:
+    watchdog_interval: float | None = None
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    def ready(self, status: str) -> bool:
+        self.sent += ["READY=1", f"STATUS={status}"]
+        return True
+
+    def status(self, status: str) -> bool:
+        self.sent.append(f"STATUS={status}")
+        return True
+
+    def watchdog(self) -> bool:
+        return True
+
+    def extend_timeout(self, seconds: float) -> bool:
+        return True
+
+    def stopping(self, status: str) -> bool:
+        return True
+
+    def reloading(self) -> bool:
+        return True
+
+
+class Inline:
+    def submit(self, fn: Any, /, *args: Any) -> Future[Any]:
+        f: Future[Any] = Future()
+        f.set_result(fn(*args))
+        return f
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, dict[str, Any]]] = []
+
+    def __getattr__(self, level: str) -> Any:
+        return lambda event, **kw: self.events.append((level, event, kw))
+
+    def named(self, name: str) -> list[dict[str, Any]]:
+        return [kw for _, e, kw in self.events if e == name]
+
+
+class Harness:
+    def __init__(self, restart: dict[str, Any] | None = None) -> None:
+        self.cfg = from_dict({
+            "restart": {"backoff_initial": 1.0, "jitter": 0.0, "budget_failures": 1,
+                        **(restart or {})},
+            "watch": {"poll_interval": 1.0, "load_timeout": 1000.0, "unhealthy_timeout": 3.0}})
+        self.t = 1000.0
+        self.children: list[Child] = []
+        self.preflights: list[PreflightResult] = []
+        self.ports = Ports()
+        self.notifier = Notifier()
+        self.log = Log()
+        self.warmups = 0
+        self.sup = Supervisor(self.cfg, Parts(
+            spawn=self.spawn, make_probe=lambda c: Probe(), preflight=self.preflight,
+            warmup=self.warm, load_config=lambda: self.cfg, notifier=self.notifier,
+            executor=Inline(), log=self.log, clock=lambda: self.t, wall=lambda: 0.0,
+            rand=random.Random(0), ports=self.ports))
+
+    def preflight(self, cfg: Config) -> PreflightResult:
+        if self.ports.held_by is not None:
+            return PreflightResult(transient=f"port in use by {self.ports.held_by}",
+                                   port_holder=self.ports.held_by)
+        return PreflightResult()
+
+    def spawn(self, cfg: Config) -> Child:
+        self.children.append(Child())
+        return self.children[-1]
+
+    def warm(self, cfg: Config, probe: Any, progress: Any) -> WarmupResult:
+        self.warmups += 1
+        return WarmupResult(True, [WarmupRow(1024, 1, 42.0, 42.0, 0.1)], 0.5)
+
+    def step(self, dt: float = 0.25, n: int = 1) -> State:
+        for _ in range(n):
+            self.t += dt
+            self.sup.step()
+        return self.sup.state
+
+    def statuses(self) -> list[str]:
+        return [m[7:] for m in self.notifier.sent if m.startswith("STATUS=")]
+
+
+def test_a_strangers_200_while_loading_is_not_our_vllm() -> None:
+    h = Harness()
+    h.ports.ours = False
+    h.step(n=40)  # 10 s of 200s from someone else
+    assert h.sup.state == State.LOADING
+    assert h.warmups == 0 and "READY=1" not in h.notifier.sent
+    assert h.log.named("health_ok") == []
+    said = h.log.named("port_answered_by_stranger")
+    assert len(said) == 1 and said[0]["holder"] == STRANGER  # once, not every probe
+    assert h.ports.owner_calls >= 5
+    h.ports.ours = True  # our vLLM has the port now
+    h.step(n=8)
+    assert h.sup.state == State.READY and h.notifier.sent.count("READY=1") == 1
+
+
+def test_a_200_after_our_child_exited_is_not_health() -> None:
+    h = Harness()
+    h.step(dt=0.0)  # preflight -> starting
+    h.children[-1].rc = 1  # died; a stranger may still answer on the port
+    h.sup.on_health(h.t, HealthResult(True, 200, 0.001))
+    assert h.sup.state != State.WARMING and h.warmups == 0
+
+
+def test_a_stranger_on_the_port_while_ready_is_a_health_failure() -> None:
+    h = Harness({"budget_failures": 3})
+    h.step(n=10)
+    assert h.sup.state == State.READY
+    h.ports.ours = False
+    h.step(dt=1.0, n=2)
+    assert h.sup.state == State.DEGRADED
+    failed = h.log.named("health_failed")
+    assert failed and STRANGER in failed[0]["error"]
+    h.step(dt=1.0, n=4)
+    assert h.sup.failure is not None and h.sup.failure.cause is Cause.UNHEALTHY
+
+
+def test_a_held_port_is_waited_on_not_counted() -> None:
+    # budget_failures = 1: before issue 8.4 the first held preflight ended the service (75).
+    h = Harness()
+    h.ports.held_by = STRANGER
+    h.step(n=4 * 45)  # 45 s
+    assert h.sup.state == State.PREFLIGHT and h.sup.exit_code is None and not h.children
+    assert h.sup.budget.count(h.t) == 0
+    busy = h.log.named("port_busy")
+    assert len(busy) == 2 and busy[0]["holder"] == STRANGER  # at once, then after 30 s
+    assert busy[1]["waited"] >= 30
+    assert f"waiting for port 127.0.0.1:8000 held by {STRANGER}, restarts=0" in h.statuses()
+    h.ports.held_by = None
+    h.step(n=12)
+    assert h.log.named("port_free") and h.sup.state == State.READY
+    assert h.sup.restarts == 0 and h.sup.budget.count(h.t) == 0
+
+
+def test_a_port_held_past_port_wait_is_a_counted_failure() -> None:
+    h = Harness({"port_wait": 20.0, "budget_failures": 2})
+    h.ports.held_by = STRANGER
+    h.step(n=4 * 19)
+    assert h.sup.state == State.PREFLIGHT
+    h.step(n=8)
+    assert h.log.named("port_wait_spent")
+    assert h.sup.budget.count(h.t) == 1 and h.sup.failure is not None
+    assert h.sup.failure.cause is Cause.PREFLIGHT and STRANGER in h.sup.failure.detail
+    # The next start waits again (bounded), and the budget ends it: exit 75.
+    h.step(n=4 * 30)
+    assert h.sup.state == State.FAILED and h.sup.exit_code == 75
+
+
+def test_vllm_dying_of_a_held_port_waits_for_the_port() -> None:
+    assert classify_exit(1, ["Traceback (most recent call last):", IN_USE]).cause \
+        is Cause.PORT_HELD
+    h = Harness()
+    h.step(n=2)
+    first = h.children[-1]
+    h.ports.ours = False
+    h.ports.held_by = STRANGER  # took the port between vLLM's bind and its listen
+    first.tail, first.rc = [IN_USE], 1
+    h.step(n=8)
+    exited = h.log.named("child_exited")
+    assert exited and exited[0]["cause"] == "port_held"
+    assert h.sup.state == State.PREFLIGHT and h.sup.budget.count(h.t) == 0
+    assert h.log.named("port_busy")[0]["holder"] == STRANGER
+    h.ports.held_by, h.ports.ours = None, True
+    h.step(n=12)
+    assert h.sup.state == State.READY and len(h.children) == 2
+    assert h.sup.budget.count(h.t) == 0 and h.sup.exit_code is None
+
+
+def test_vllm_dying_of_a_held_port_again_and_again_is_bounded() -> None:
+    # The port looks free to us but vLLM cannot listen: port_wait bounds the uncounted loop.
+    h = Harness({"port_wait": 10.0, "budget_failures": 2})
+    for _ in range(200):
+        if h.sup.state == State.FAILED:
+            break
+        if h.children and h.children[-1].rc is None and h.sup.state == State.LOADING:
+            h.children[-1].tail, h.children[-1].rc = [IN_USE], 1
+        h.step(dt=1.0)
+    assert h.sup.state == State.FAILED and h.sup.exit_code == 75
+    causes = [r.cause for r in h.sup.history]
+    assert causes[0] == "port_held" and "preflight" in causes
