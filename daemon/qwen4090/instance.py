@@ -298,14 +298,17 @@ def _user() -> str:
 # --- I/O: ports ------------------------------------------------------------------------------
 
 
-def _listeners(conns: Iterable[Any], host: str, port: int) -> list[Listener]:
+def listeners(conns: Iterable[Any], host: str, port: int, pid: int | None = None
+              ) -> list[Listener]:
+    """The LISTEN sockets for host:port among psutil's connections (a process's own carry no
+    pid: ``pid`` names it)."""
     out = []
     for c in conns:
         if c.status != psutil.CONN_LISTEN or not c.laddr:
             continue
         ip, p = c.laddr[0], c.laddr[1]
         if matches_endpoint(ip, p, host, port):
-            out.append(Listener(ip, p, c.pid))
+            out.append(Listener(ip, p, getattr(c, "pid", pid)))
     return out
 
 
@@ -319,7 +322,7 @@ def _cmdline(pid: int) -> list[str] | None:
 def port_holders(host: str, port: int) -> str:
     """Who listens on host:port, in one phrase (pid and command line)."""
     try:
-        holders = _listeners(psutil.net_connections("tcp"), host, port)
+        holders = listeners(psutil.net_connections("tcp"), host, port)
     except (psutil.Error, OSError):
         holders = []
     cmds = {h.pid: c for h in holders if h.pid is not None
@@ -558,7 +561,7 @@ class Instance:
                 continue
             except psutil.Error:
                 continue
-            if _listeners(conns, host, port):
+            if listeners(conns, host, port, info.pid):
                 self._refresh(infos)
                 return PortOwner(True)
         if infos and unseen == len(infos):

@@ -231,3 +231,46 @@ def test_unreadable_record_is_said_and_ignored(tmp_path: Path) -> None:
     finally:
         inst.close(True)
 
+
+
+def test_listeners_from_psutil_connections() -> None:
+    from types import SimpleNamespace as NS
+
+    import psutil
+
+    from qwen4090.instance import listeners
+
+    own = [NS(status=psutil.CONN_LISTEN, laddr=("127.0.0.1", 8000)),  # a process's: no pid
+           NS(status=psutil.CONN_ESTABLISHED, laddr=("127.0.0.1", 8000)),
+           NS(status=psutil.CONN_LISTEN, laddr=("127.0.0.1", 8001)),
+           NS(status=psutil.CONN_NONE, laddr=())]
+    assert listeners(own, "127.0.0.1", 8000, pid=7) == [Listener("127.0.0.1", 8000, 7)]
+    system = [NS(status=psutil.CONN_LISTEN, laddr=("0.0.0.0", 8000), pid=None),
+              NS(status=psutil.CONN_LISTEN, laddr=("::", 8000), pid=9)]
+    assert [h.pid for h in listeners(system, "127.0.0.1", 8000)] == [None, 9]
+
+
+def test_owner_and_holder_with_real_sockets(tmp_path: Path) -> None:
+    # This process stands in for "our child's group": a listening socket is ours, a free
+    # port is no one's, and a port held by us is named with our pid.
+    import socket
+
+    from qwen4090.instance import Instance
+
+    inst = Instance(tmp_path, "127.0.0.1", 0, Log())
+
+    class Me:
+        pid = os.getpid()
+
+        def group_members(self) -> list[int]:
+            return []
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        assert inst.owner(Me(), "127.0.0.1", port).ours is False  # bound, not listening
+        s.listen()
+        assert inst.owner(Me(), "127.0.0.1", port).ours is True
+        held = inst.holder("127.0.0.1", port)
+        assert held is not None and held.startswith(f"pid {os.getpid()} (")
+    assert inst.holder("127.0.0.1", port) is None
