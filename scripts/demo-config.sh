@@ -25,4 +25,8 @@ concurrency = [1, 4, 8]
 
 [watch]
 poll_interval = 2.0
+
+[gpu]
+# learned settings and (outside systemd) the instance lock: writable without root
+state_directory = "$root/.runtime/state"
 TOML

@@ -29,7 +29,8 @@ EXIT_CODES = {
        "stopped or failed)",
     EX_SOFTWARE: "internal error in qwen4090 (a bug: please report it)",
     EX_TEMPFAIL: "vLLM kept failing: crash-loop budget spent (systemd may restart us)",
-    EX_CONFIG: "configuration error (bad key or value, unreadable file); fix it, not retried",
+    EX_CONFIG: "configuration error (bad key or value, unreadable file, or another qwen4090 "
+               "already runs vLLM on this port); fix it, not retried",
     EX_GPU: "the GPU reported a fatal Xid error: it needs a reset or a reboot, not retried",
 }
 
