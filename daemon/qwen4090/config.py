@@ -11,14 +11,19 @@ sysadmin can fix it without reading code.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
+import re
+import stat
 import sys
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from qwen4090.redact import one_line, remember_secret
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -36,14 +41,37 @@ class ConfigError(Exception):
         self.file = str(file) if file is not None else None
         self.key = key
         self.message = message
-        where = ": ".join(p for p in (self.file, key) if p)
-        super().__init__(f"{where}: {message}" if where else message)
+        where = ": ".join(one_line(p) for p in (self.file, key) if p)
+        # One line, whatever a path, a key or a found value holds (newlines, escapes...).
+        super().__init__(one_line(f"{where}: {message}" if where else message))
+
+
+# Upper bounds shared by several keys (each one is far beyond any sensible setting, and keeps
+# every timer below threading.TIMEOUT_MAX and every number printable).
+DAY = 86400.0
+WEEK = 7 * DAY
+MAX_TOKENS = 16_777_216  # 2**24: beyond the longest context any model has (10M tokens)
+MAX_PATH_BYTES = 4095  # PATH_MAX - 1
+MAX_NAME_BYTES = 255  # NAME_MAX: one path component
+MAX_ARG_BYTES = 65536  # one argv/env string (the kernel's MAX_ARG_STRLEN is 128 KiB)
+MAX_EXEC_BYTES = 262144  # command + extra_args + env together (ARG_MAX is 2 MiB, shared with
+                         # the environment vLLM inherits)
+MAX_CONFIG_BYTES = 1 << 20  # a config file larger than 1 MiB is not a config file
+MAX_KEY_BYTES = 4096  # the API key file
 
 
 def opt(default: Any, help: str, *, min: float | None = None, max: float | None = None,
-        choices: tuple[Any, ...] | None = None, factory: bool = False) -> Any:
-    """A config field: its default, its one-line help, and what values are allowed."""
-    meta = {"help": help, "min": min, "max": max, "choices": choices}
+        choices: tuple[Any, ...] | None = None, factory: bool = False,
+        off: float | None = None, kind: str | None = None,
+        items: tuple[int, int] | None = None) -> Any:
+    """A config field: its default, its one-line help, and what values are allowed.
+
+    min/max bound a number (each item of a list of numbers); ``off`` is one more value
+    allowed outside them that means "off"; ``kind`` names the rules of a string (see
+    STRING_KINDS) or of a list's items; ``items`` bounds the length of a list or table.
+    """
+    meta = {"help": help, "min": min, "max": max, "choices": choices, "off": off,
+            "kind": kind, "items": items}
     if factory:
         return field(default_factory=lambda: default.copy(), metadata=meta)
     return field(default=default, metadata=meta)
@@ -57,35 +85,42 @@ class VllmConfig:
     command: list[str] = opt(
         ["/opt/qwen4090/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"],
         "argv that starts vLLM's OpenAI server; the flags below are appended to it",
-        factory=True)
+        factory=True, kind="arg", items=(1, 64))
     model: str = opt("/var/lib/qwen4090/models/Qwen3-14B-AWQ",
-                     "model directory (or hub id, if the runtime may download)")
-    served_model_name: str = opt("qwen3-14b", "model name clients send in requests")
-    host: str = opt("127.0.0.1", "address vLLM listens on (put a proxy in front for others)")
+                     "model directory (or hub id, if the runtime may download)", kind="model")
+    served_model_name: str = opt("qwen3-14b", "model name clients send in requests",
+                                 kind="name")
+    host: str = opt("127.0.0.1", "address vLLM listens on (put a proxy in front for others)",
+                    kind="host")
     port: int = opt(8000, "port vLLM listens on", min=1, max=65535)
     dtype: str = opt("auto", "weights/activations dtype",
                      choices=("auto", "half", "float16", "bfloat16", "float", "float32"))
     quantization: str = opt("", "quantization method (e.g. awq_marlin, fp8); empty = detect "
-                                "from the checkpoint")
+                                "from the checkpoint", kind="word")
     max_model_len: int | str = opt(16384, "longest context (prompt + output) in tokens, or "
-                                          "\"auto\" for vLLM's choice", min=16)
-    max_num_seqs: int | str = opt(32, "sequences scheduled at once, or \"auto\"", min=1)
+                                          "\"auto\" for vLLM's choice", min=16, max=MAX_TOKENS)
+    max_num_seqs: int | str = opt(32, "sequences scheduled at once, or \"auto\"", min=1,
+                                  max=16384)
     max_num_batched_tokens: int | str = opt(8192, "tokens per scheduler step (chunked prefill), "
-                                                  "or \"auto\"", min=16)
+                                                  "or \"auto\"", min=16, max=MAX_TOKENS)
     gpu_memory_utilization: float = opt(0.92, "fraction of GPU memory vLLM may take",
                                         min=0.05, max=0.99)
     kv_cache_dtype: str = opt("auto", "KV-cache dtype; fp8 halves its size",
                               choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16"))
     enable_prefix_caching: bool = opt(True, "reuse KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = opt(True, "split long prompts so they do not stall others")
-    block_size: int | str = opt(AUTO, "tokens per KV-cache block (8..128), or \"auto\" for the "
-                                      "attention backend's choice (16 on CUDA)", min=8, max=128)
+    block_size: int | str = opt(AUTO, "tokens per KV-cache block, or \"auto\" for the "
+                                      "attention backend's choice (16 on CUDA)",
+                                choices=(8, 16, 32, 64, 128))
     enforce_eager: bool = opt(False, "skip CUDA graphs and torch.compile (slower, starts faster)")
-    api_key_file: str = opt("", "file holding the API key clients must send; empty = no key; "
-                                "must not be group/world readable")
-    extra_args: list[str] = opt([], "more vLLM flags, appended verbatim (no secrets here)",
-                                factory=True)
-    env: dict[str, str] = opt({}, "extra environment variables for vLLM", factory=True)
+    api_key_file: str = opt("", "file holding the API key clients must send (printable ASCII, "
+                                "no spaces); empty = no key; must not be group/world readable",
+                            kind="abspath")
+    extra_args: list[str] = opt([], "more vLLM flags, appended verbatim (no secrets here, and "
+                                    "none that a key above sets)",
+                                factory=True, kind="arg", items=(0, 256))
+    env: dict[str, str] = opt({}, "extra environment variables for vLLM (names of letters, "
+                                  "digits and _)", factory=True, items=(0, 128))
 
 
 @dataclass(frozen=True)
@@ -93,42 +128,48 @@ class WarmupConfig:
     enabled: bool = opt(True, "warm vLLM up before telling systemd READY=1")
     lengths: list[int] = opt([1, 16, 256, 1024, 2048, 4096, 8192],
                              "prompt lengths (tokens) to warm; capped below max_model_len",
-                             factory=True)
+                             factory=True, min=1, max=MAX_TOKENS, items=(1, 64))
     concurrency: list[int] = opt([1, 8, 32], "concurrent requests to warm; capped by "
-                                             "max_num_seqs", factory=True)
+                                             "max_num_seqs", factory=True, min=1, max=1024,
+                                 items=(0, 64))
     concurrency_prompt_tokens: int = opt(256, "prompt length used for the concurrency levels",
-                                         min=1)
+                                         min=1, max=MAX_TOKENS)
     max_tokens: int = opt(4, "tokens generated by each warmup request", min=1, max=1024)
-    request_timeout: float = opt(120.0, "seconds one warmup request may take", min=1)
+    request_timeout: float = opt(120.0, "seconds one warmup request may take", min=1,
+                                 max=DAY)
     timeout: float = opt(900.0, "seconds the whole warmup may take; over it = failed start",
-                         min=1)
+                         min=1, max=DAY)
 
 
 @dataclass(frozen=True)
 class WatchConfig:
     load_timeout: float = opt(1200.0, "seconds from launch to /health 200 before the start "
-                                      "counts as failed", min=1)
-    poll_interval: float = opt(5.0, "seconds between /health + /metrics polls", min=0.1)
-    health_timeout: float = opt(5.0, "seconds a /health or /metrics answer may take", min=0.1)
+                                      "counts as failed", min=1, max=DAY)
+    poll_interval: float = opt(5.0, "seconds between /health + /metrics polls", min=0.1,
+                               max=3600)
+    health_timeout: float = opt(5.0, "seconds a /health or /metrics answer may take", min=0.1,
+                                max=600)
     unhealthy_timeout: float = opt(30.0, "seconds /health may keep failing before a restart",
-                                   min=0.1)
+                                   min=0.1, max=DAY)
     hang_timeout: float = opt(60.0, "seconds with requests in flight and no token progress "
-                                    "before the engine counts as hung", min=0.1)
+                                    "before the engine counts as hung", min=0.1, max=DAY)
     canary_interval: float = opt(30.0, "seconds between 1-token canary requests when idle; "
-                                       "0 = off", min=0)
-    canary_timeout: float = opt(30.0, "seconds a canary request may take", min=0.1)
+                                       "0 = off", min=1, max=DAY, off=0)
+    canary_timeout: float = opt(30.0, "seconds a canary request may take (no second canary "
+                                      "is sent while one runs)", min=0.1, max=3600)
 
 
 @dataclass(frozen=True)
 class RestartConfig:
-    backoff_initial: float = opt(2.0, "seconds before the first restart", min=0)
-    backoff_max: float = opt(60.0, "longest wait between restarts", min=0)
-    backoff_factor: float = opt(2.0, "growth of the wait after each failure", min=1)
+    backoff_initial: float = opt(2.0, "seconds before the first restart", min=0, max=3600)
+    backoff_max: float = opt(60.0, "longest wait between restarts", min=0, max=DAY)
+    backoff_factor: float = opt(2.0, "growth of the wait after each failure", min=1, max=10)
     jitter: float = opt(0.2, "random +/- fraction added to each wait", min=0, max=1)
     budget_failures: int = opt(5, "failures allowed within budget_window before giving up "
-                                  "(exit 75)", min=1)
-    budget_window: float = opt(600.0, "seconds of the crash-loop window", min=1)
-    stable_after: float = opt(300.0, "seconds READY after which the backoff starts over", min=0)
+                                  "(exit 75)", min=1, max=1000)
+    budget_window: float = opt(600.0, "seconds of the crash-loop window", min=1, max=WEEK)
+    stable_after: float = opt(300.0, "seconds READY after which the backoff starts over", min=0,
+                              max=WEEK)
     # recovery (issue 10): what makes a restart shorter
     fixed_kv_budget: bool = opt(False, "start vLLM with --kv-cache-memory-bytes = the KV cache "
                                        "of the last start that reached READY with the same "
@@ -144,9 +185,11 @@ class RestartConfig:
 
 @dataclass(frozen=True)
 class StopConfig:
-    drain_timeout: float = opt(30.0, "seconds to let running requests finish on stop", min=0)
+    drain_timeout: float = opt(30.0, "seconds to let running requests finish on stop (with "
+                                     "term_timeout, keep it below the unit's TimeoutStopSec=)",
+                               min=0, max=3600)
     term_timeout: float = opt(15.0, "seconds between SIGTERM and SIGKILL of vLLM's process "
-                                    "group", min=0.1)
+                                    "group", min=0.1, max=600)
 
 
 @dataclass(frozen=True)
@@ -164,7 +207,7 @@ class LogConfig:
 class StatusConfig:
     enabled: bool = opt(True, "serve /status, /metrics, /livez, /readyz and a status page")
     host: str = opt("127.0.0.1", "address of the status endpoint (keep it local or behind a "
-                                 "proxy: it has no authentication)")
+                                 "proxy: it has no authentication)", kind="host")
     port: int = opt(8090, "port of the status endpoint (never vLLM's port); when unset, "
                           "vllm.port + 90", min=1, max=65535)
 
@@ -176,11 +219,11 @@ class GpuConfig:
                                                                                   "required",
                                                                                   "off"))
     device: int = opt(0, "NVML index of the GPU vLLM uses; when unset, the first index in "
-                         "vllm.env.CUDA_VISIBLE_DEVICES", min=0)
+                         "vllm.env.CUDA_VISIBLE_DEVICES", min=0, max=63)
     driver_wait: float = opt(60.0, "seconds to wait at start for the NVIDIA driver (NVML and "
-                                   "/dev/nvidia-uvm) before giving up", min=0)
+                                   "/dev/nvidia-uvm) before giving up", min=0, max=3600)
     memory_gib: float = opt(0.0, "plan for this much GPU memory (GiB); 0 = read it from NVML",
-                            min=0)
+                            min=0, max=4096)
     plan_check: str = opt("refuse", "explicit settings the KV-cache plan says cannot fit: "
                                     "refuse (exit 78), warn, or off",
                           choices=("refuse", "warn", "off"))
@@ -191,13 +234,15 @@ class GpuConfig:
     ladder_min_util: float = opt(0.5, "the OOM ladder never lowers gpu_memory_utilization "
                                       "below this", min=0.05, max=0.99)
     ladder_min_len: int = opt(2048, "the OOM ladder never lowers max_model_len below this",
-                              min=16)
-    state_directory: str = opt("", "where learned settings are kept; empty = $STATE_DIRECTORY "
-                                   "(systemd), else /var/lib/qwen4090")
+                              min=16, max=MAX_TOKENS)
+    state_directory: str = opt("", "where learned settings are kept (writable by the service "
+                                   "user); empty = $STATE_DIRECTORY (systemd), else "
+                                   "/var/lib/qwen4090", kind="abspath")
     release_timeout: float = opt(30.0, "seconds to wait after a stop for the old vLLM's GPU "
-                                       "memory to be released before relaunching", min=0)
+                                       "memory to be released before relaunching", min=0,
+                                 max=600)
     sample_interval: float = opt(30.0, "seconds between NVML samples (changes are logged); "
-                                       "0 = off", min=0)
+                                       "0 = off", min=1, max=DAY, off=0)
     temperature_warn: int = opt(85, "GPU temperature (C) that is logged as a warning",
                                 min=30, max=120)
 
@@ -236,39 +281,96 @@ def load(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH) -> Config:
     main = Path(path)
     raw: dict[str, Any] = {}
     owner: dict[str, str] = {}  # "section.key" -> file that set it, for error messages
-    files = [main]
-    ddir = drop_in_dir(main)
-    if ddir.is_dir():
-        files += sorted(p for p in ddir.iterdir() if p.suffix == ".toml" and p.is_file())
+    files = [main, *_drop_ins(drop_in_dir(main))]
     for f in files:
         data = _read_toml(f)
         _merge(raw, data, owner, str(f))
     return from_dict(raw, owner, default_file=str(main), sources=tuple(str(f) for f in files))
 
 
+def _drop_ins(ddir: Path) -> list[Path]:
+    """conf.d/*.toml in name order (regular files, or links to them; others are skipped)."""
+    try:
+        if not ddir.is_dir():
+            return []
+        return sorted(p for p in ddir.iterdir() if p.suffix == ".toml" and p.is_file())
+    except PermissionError:
+        raise ConfigError(ddir, None, "permission denied; make the directory readable by the "
+                                      "service user (e.g. chmod 750, group qwen4090)") from None
+    except OSError as e:
+        raise ConfigError(ddir, None, f"cannot list the drop-ins: {e.strerror}") from None
+
+
+def read_regular_file(path: Path, limit: int, key: str | None = None,
+                      what: str = "a TOML file") -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes.
+
+    Opened with O_NONBLOCK and checked with fstat before any read: a FIFO, a device or a
+    socket given as a config or key file is refused at once instead of blocking us forever.
+    OSError is left to the caller (it knows which fix to name).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise ConfigError(path, key, f"is a directory; expected {what}")
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(path, key, f"is not a regular file (a FIFO, device or socket); "
+                                         f"expected {what}")
+        if st.st_size > limit:
+            raise ConfigError(path, key, f"is {st.st_size} bytes, more than the {limit} "
+                                         f"allowed; expected {what}")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise ConfigError(path, key, f"grew beyond {limit} bytes; expected {what}")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
+        data = read_regular_file(path, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         raise ConfigError(path, None, "file not found; create it (see "
                                       "/usr/share/doc/qwen4090) or pass --config FILE") from None
     except PermissionError:
         raise ConfigError(path, None, "permission denied; make it readable by the service "
                                       "user (e.g. chmod 640, group qwen4090)") from None
-    except IsADirectoryError:
+    except IsADirectoryError:  # pragma: no cover - O_RDONLY opens a directory; fstat says so
         raise ConfigError(path, None, "is a directory; expected a TOML file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(path, None, f"invalid TOML: {e}; fix the syntax") from None
     except OSError as e:
         raise ConfigError(path, None, f"cannot read: {e.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(path, None, f"invalid TOML: not UTF-8 (byte {e.start}); save it as "
+                                      "UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(path, None, f"invalid TOML: {e}; fix the syntax") from None
+    except ValueError as e:  # an integer of more than 4300 digits (int's str limit)
+        raise ConfigError(path, None, f"invalid TOML: {e}".split(";")[0] + "; fix the "
+                                      "value") from None
+    except RecursionError:
+        raise ConfigError(path, None, "invalid TOML: arrays or tables nested too deeply; fix "
+                                      "the value") from None
 
 
 def _merge(raw: dict[str, Any], data: dict[str, Any], owner: dict[str, str], file: str) -> None:
     for section, table in data.items():
+        if section not in SECTIONS:
+            raise _unknown_section(file, section)
         if not isinstance(table, dict):
-            raise ConfigError(file, section, f"found a value ({_show(table)}), expected a "
-                                             f"[{section}] table")
+            raise ConfigError(file, _key_text(section), f"found {_show(table)}, expected a "
+                                                        f"[{_key_text(section)}] table")
         dest = raw.setdefault(section, {})
         for key, value in table.items():
             dest[key] = value
@@ -283,15 +385,17 @@ def from_dict(raw: Mapping[str, Any], owner: Mapping[str, str] | None = None,
     sections: dict[str, Any] = {}
     for name, table in raw.items():
         if name not in SECTIONS:
+            raise _unknown_section(owner.get(name, default_file), name)
+        if not isinstance(table, Mapping):
             raise ConfigError(owner.get(name, default_file), name,
-                              f"unknown section; expected one of {', '.join(SECTIONS)}")
+                              f"found {_show(table)}, expected a [{name}] table")
         cls = SECTIONS[name]
         hints = get_type_hints(cls)
         known = {f.name: f for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}
         for key, value in table.items():
-            dotted = f"{name}.{key}"
-            file = owner.get(dotted, default_file)
+            dotted = f"{name}.{_key_text(key)}"
+            file = owner.get(f"{name}.{key}", default_file)
             if key not in known:
                 close = _closest(key, known)
                 hint = f"; did you mean {name}.{close}?" if close else ""
@@ -310,6 +414,13 @@ def from_dict(raw: Mapping[str, Any], owner: Mapping[str, str] | None = None,
     return cfg
 
 
+def _unknown_section(file: str | None, name: str) -> ConfigError:
+    close = _closest(name, SECTIONS)
+    hint = f"; did you mean [{close}]?" if close else ""
+    return ConfigError(file, _key_text(name), f"unknown section{hint} (expected one of "
+                                              f"{', '.join(SECTIONS)})")
+
+
 def _check(file: str | None, key: str, value: Any, typ: Any, meta: Mapping[str, Any]) -> Any:
     expected = _describe(typ, meta)
 
@@ -326,95 +437,316 @@ def _check(file: str | None, key: str, value: Any, typ: Any, meta: Mapping[str, 
     if typ is bool:
         if not isinstance(value, bool):
             raise bad()
-    elif typ is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad()
-    elif typ is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad()
-        if not math.isfinite(value):
-            raise bad()
-        value = float(value)
-    elif typ is str:
+        return value
+    if typ in (int, float):
+        _check_number(value, typ, meta, bad)
+        return float(value) if typ is float else value
+    if typ is str:
         if not isinstance(value, str):
             raise bad()
-    elif origin is list:
+        if meta.get("choices") is not None:
+            if value not in meta["choices"]:
+                raise bad()
+            return value
+        problem = check_string(value, meta.get("kind") or "text")
+        if problem:
+            raise bad(f" ({problem})")
+        return value
+    if origin is list:
         (item,) = get_args(typ)
-        if not isinstance(value, list) or not all(
-                isinstance(v, item) and not isinstance(v, bool) for v in value):
+        if not isinstance(value, list):
             raise bad()
-        if item is int and meta.get("min") is None and any(v < 1 for v in value):
-            raise bad(" (each at least 1)")
+        _check_count(value, meta, bad)
+        for i, v in enumerate(value):
+            if item is int:
+                _check_number(v, int, meta, lambda why="", i=i: bad(why or f" (item {i + 1})"))
+            elif not isinstance(v, str):
+                raise bad(f" (item {i + 1} is {_show(v)})")
+            else:
+                problem = check_string(v, meta.get("kind") or "text")
+                if problem:
+                    raise bad(f" (item {i + 1}: {problem})")
         return list(value)
-    elif origin is dict:
-        if not isinstance(value, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+    if origin is dict:
+        if not isinstance(value, dict):
             raise bad()
+        _check_count(value, meta, bad)
+        for name, v in value.items():
+            sub = f"{key}.{_key_text(name)}"
+            if not ENV_NAME.fullmatch(name):
+                raise ConfigError(file, sub, "expected a variable name of letters, digits and "
+                                             "_ (not starting with a digit)")
+            if not isinstance(v, str):
+                raise ConfigError(file, sub, f"found {_show(v)}, expected a string")
+            problem = check_string(v, "arg", allow_empty=True)
+            if problem:
+                raise ConfigError(file, sub, f"found {_show(v)}, expected a string ({problem})")
         return dict(value)
-    lo, hi, choices = meta.get("min"), meta.get("max"), meta.get("choices")
-    if choices is not None and value not in choices:
+    raise AssertionError(f"no check for {typ}")  # pragma: no cover
+
+
+def _check_number(value: Any, typ: type, meta: Mapping[str, Any],
+                  bad: Callable[..., ConfigError]) -> None:
+    """Type and range, compared before any conversion (a 400-digit integer cannot overflow)."""
+    if isinstance(value, bool):
         raise bad()
-    if lo is not None and value < lo:
+    if typ is int and not isinstance(value, int):
         raise bad()
-    if hi is not None and value > hi:
+    if typ is float:
+        if not isinstance(value, (int, float)):
+            raise bad()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise bad()
+    lo, hi, off, choices = meta.get("min"), meta.get("max"), meta.get("off"), meta.get("choices")
+    if off is not None and value == off:
+        return
+    if choices is not None:
+        if value not in choices:
+            raise bad()
+        return
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise bad()
-    return value
+
+
+def _check_count(value: Any, meta: Mapping[str, Any], bad: Callable[..., ConfigError]) -> None:
+    bounds = meta.get("items")
+    if bounds is None:
+        return
+    lo, hi = bounds
+    if len(value) < lo:
+        raise bad(f" (at least {lo} {'entry' if lo == 1 else 'entries'})")
+    if len(value) > hi:
+        raise bad(f" ({len(value)} entries, at most {hi})")
+
+
+# --- strings ----------------------------------------------------------------------------------
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
+WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+HOSTNAME_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+STRING_KINDS = {
+    "text": "no control characters",
+    "name": "a non-empty name without control characters, not starting with '-', at most "
+            "256 characters",
+    "word": "empty, or letters, digits, '_', '.' and '-' (at most 64)",
+    "host": "an IP address or a host name",
+    "model": "a directory (absolute, ./, ../ or ~) or a hub id like Org/Name, not starting "
+             "with '-'",
+    "abspath": "empty, or an absolute path",
+    "arg": "a non-empty string without NUL bytes",
+}
+
+
+def check_string(value: str, kind: str, allow_empty: bool = False) -> str | None:
+    """What is wrong with a string of the given kind (a short phrase), or None."""
+    if "\0" in value:
+        return "it contains a NUL byte"
+    if kind == "arg":
+        if not value and not allow_empty:
+            return "it is empty"
+        if len(value.encode("utf-8", "surrogatepass")) > MAX_ARG_BYTES:
+            return f"longer than {MAX_ARG_BYTES} bytes"
+        return None
+    if not value.isprintable():
+        return "it contains a control character"
+    if kind == "text":
+        return None if len(value) <= 4096 else "longer than 4096 characters"
+    if kind == "word":
+        return None if not value or WORD.fullmatch(value) else \
+            "only letters, digits, '_', '.' and '-' are allowed"
+    if kind == "name":
+        if not value:
+            return "it is empty"
+        if value.startswith("-"):
+            return "vLLM would read it as a flag"
+        return None if len(value) <= 256 else "longer than 256 characters"
+    if kind == "host":
+        return _host_problem(value)
+    if kind == "abspath":
+        if not value:
+            return None
+        if not value.startswith("/"):
+            return "a relative path depends on the working directory; use an absolute one"
+        return _path_problem(value)
+    if kind == "model":
+        if not value:
+            return "it is empty"
+        if value.startswith("-"):
+            return "vLLM would read it as a flag"
+        if value.startswith("~"):
+            expanded = os.path.expanduser(value)
+            if expanded.startswith("~"):
+                return "the user after ~ is unknown (or $HOME is not set)"
+            return _path_problem(expanded)
+        return _path_problem(value)
+    raise AssertionError(kind)  # pragma: no cover
+
+
+def _path_problem(path: str) -> str | None:
+    raw = path.encode("utf-8", "surrogatepass")
+    if len(raw) > MAX_PATH_BYTES:
+        return f"longer than {MAX_PATH_BYTES} bytes"
+    if any(len(part) > MAX_NAME_BYTES for part in raw.split(b"/")):
+        return f"a path component is longer than {MAX_NAME_BYTES} bytes"
+    return None
+
+
+def _host_problem(host: str) -> str | None:
+    if not host:
+        return "it is empty (0.0.0.0 listens on every IPv4 address, :: on every address)"
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    name = host[:-1] if host.endswith(".") else host
+    if len(name) > 253 or not all(HOSTNAME_LABEL.fullmatch(x) for x in name.split(".")):
+        return "not an IP address or a host name"
+    if name.replace(".", "").isdigit():
+        return "not an IP address"
+    return None
+
+
+# --- rules between keys -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A check involving two keys: ``key`` is the one named when it fails."""
+
+    key: str
+    doc: str  # how the key's documentation states the rule
+    holds: Callable[[Config], bool]
+    found: Callable[[Config], str]
+
+
+def _ints(*values: int | str) -> bool:
+    return all(isinstance(v, int) for v in values)
+
+
+# Documented under each key (field_doc): a value that check-config accepts must be runnable.
+RULES: tuple[Rule, ...] = (
+    Rule("status.port", "must differ from vllm.port while status.enabled",
+         lambda c: not c.status.enabled or c.status.port != c.vllm.port,
+         lambda c: f"{c.status.port}, the same as vllm.port"),
+    Rule("restart.backoff_max", "at least restart.backoff_initial",
+         lambda c: c.restart.backoff_max >= c.restart.backoff_initial,
+         lambda c: f"{c.restart.backoff_max:g} with restart.backoff_initial = "
+                   f"{c.restart.backoff_initial:g}"),
+    Rule("watch.hang_timeout", "at least 2 x watch.poll_interval (a hang needs two polls "
+                               "without progress)",
+         lambda c: c.watch.hang_timeout >= 2 * c.watch.poll_interval,
+         lambda c: f"{c.watch.hang_timeout:g} with watch.poll_interval = "
+                   f"{c.watch.poll_interval:g}"),
+    Rule("watch.unhealthy_timeout", "at least watch.poll_interval (one failed poll never "
+                                    "restarts by itself)",
+         lambda c: c.watch.unhealthy_timeout >= c.watch.poll_interval,
+         lambda c: f"{c.watch.unhealthy_timeout:g} with watch.poll_interval = "
+                   f"{c.watch.poll_interval:g}"),
+    Rule("warmup.request_timeout", "at most warmup.timeout",
+         lambda c: c.warmup.request_timeout <= c.warmup.timeout,
+         lambda c: f"{c.warmup.request_timeout:g} with warmup.timeout = "
+                   f"{c.warmup.timeout:g}"),
+    Rule("vllm.max_num_batched_tokens", "at least vllm.max_num_seqs (vLLM refuses less)",
+         lambda c: not _ints(c.vllm.max_num_batched_tokens, c.vllm.max_num_seqs)
+         or c.vllm.max_num_batched_tokens >= c.vllm.max_num_seqs,  # type: ignore[operator]
+         lambda c: f"{c.vllm.max_num_batched_tokens} with vllm.max_num_seqs = "
+                   f"{c.vllm.max_num_seqs}"),
+    Rule("vllm.max_num_batched_tokens", "at least vllm.max_model_len when "
+                                        "vllm.enable_chunked_prefill = false (vLLM refuses less)",
+         lambda c: c.vllm.enable_chunked_prefill
+         or not _ints(c.vllm.max_num_batched_tokens, c.vllm.max_model_len)
+         or c.vllm.max_num_batched_tokens >= c.vllm.max_model_len,  # type: ignore[operator]
+         lambda c: f"{c.vllm.max_num_batched_tokens} with vllm.max_model_len = "
+                   f"{c.vllm.max_model_len} and chunked prefill off"),
+)
+
+# Flags that a [vllm] key renders (child.render_argv): in extra_args they would fight it.
+OWN_FLAGS = {
+    "--model": "vllm.model", "--served-model-name": "vllm.served_model_name",
+    "--host": "vllm.host", "--port": "vllm.port", "--dtype": "vllm.dtype",
+    "--quantization": "vllm.quantization", "-q": "vllm.quantization",
+    "--max-model-len": "vllm.max_model_len", "--max-num-seqs": "vllm.max_num_seqs",
+    "--max-num-batched-tokens": "vllm.max_num_batched_tokens",
+    "--block-size": "vllm.block_size",
+    "--gpu-memory-utilization": "vllm.gpu_memory_utilization",
+    "--kv-cache-dtype": "vllm.kv_cache_dtype",
+    "--enable-prefix-caching": "vllm.enable_prefix_caching",
+    "--no-enable-prefix-caching": "vllm.enable_prefix_caching",
+    "--enable-chunked-prefill": "vllm.enable_chunked_prefill",
+    "--no-enable-chunked-prefill": "vllm.enable_chunked_prefill",
+    "--enforce-eager": "vllm.enforce_eager",
+}
+# Environment that qwen4090 sets or strips itself.
+OWN_ENV = ("VLLM_API_KEY", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID",
+           "CREDENTIALS_DIRECTORY")
 
 
 def _check_relations(cfg: Config, owner: Mapping[str, str], default_file: str | None) -> None:
-    """Checks that involve two keys."""
+    """Checks that involve two keys, or a key and what qwen4090 does with it."""
+
+    def err(key: str, message: str) -> ConfigError:
+        return ConfigError(owner.get(key, default_file), key, message)
+
     v = cfg.vllm
-    if not v.command:
-        raise ConfigError(owner.get("vllm.command", default_file), "vllm.command",
-                          "found [], expected the argv that starts vLLM, e.g. "
-                          "[\"/opt/qwen4090/venv/bin/python\", \"-m\", "
-                          "\"vllm.entrypoints.openai.api_server\"]")
-    if not v.model:
-        raise ConfigError(owner.get("vllm.model", default_file), "vllm.model",
-                          "found \"\", expected a model directory")
     for arg in v.extra_args:
-        if arg.split("=", 1)[0] in ("--api-key",):
-            raise ConfigError(owner.get("vllm.extra_args", default_file), "vllm.extra_args",
-                              "found --api-key, expected no secrets on the command line; "
-                              "put the key in a file and set vllm.api_key_file")
-    for name in ("VLLM_API_KEY", "NOTIFY_SOCKET"):
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--"):
+            flag = "--" + flag[2:].replace("_", "-")  # vLLM reads --max_model_len as well
+        if flag == "--api-key":
+            raise err("vllm.extra_args", "found --api-key, expected no secrets on the command "
+                                         "line; put the key in a file and set "
+                                         "vllm.api_key_file")
+        if flag in OWN_FLAGS:
+            raise err("vllm.extra_args", f"found {flag}, which qwen4090 sets from "
+                                         f"{OWN_FLAGS[flag]}; set that key instead")
+    for name in OWN_ENV:
         if name in v.env:
             raise ConfigError(owner.get("vllm.env", default_file), f"vllm.env.{name}",
                               "is set by qwen4090 itself; remove it (API key: "
                               "vllm.api_key_file)")
-    st = cfg.status
-    if st.enabled and st.port == v.port:
-        raise ConfigError(owner.get("status.port", default_file), "status.port",
-                          f"found {st.port}, expected a port other than vllm.port ({v.port})")
-    r = cfg.restart
-    if r.backoff_max < r.backoff_initial:
-        raise ConfigError(owner.get("restart.backoff_max", default_file), "restart.backoff_max",
-                          f"found {r.backoff_max}, expected at least restart.backoff_initial "
-                          f"({r.backoff_initial})")
+    total = sum(len(x.encode("utf-8", "surrogatepass")) + 1
+                for x in (*v.command, *v.extra_args, *v.env, *v.env.values()))
+    if total > MAX_EXEC_BYTES:
+        raise err("vllm.extra_args", f"vllm.command, vllm.extra_args and vllm.env hold "
+                                     f"{total} bytes, expected at most {MAX_EXEC_BYTES}")
+    for rule in RULES:
+        if not rule.holds(cfg):
+            raise err(rule.key, f"found {rule.found(cfg)}, expected {rule.doc}")
 
 
 def _describe(typ: Any, meta: Mapping[str, Any]) -> str:
+    """What a key accepts, in words (error messages and the man page)."""
     origin = get_origin(typ)
+    lo, hi, choices, off = meta.get("min"), meta.get("max"), meta.get("choices"), meta.get("off")
     if _is_union(typ):
-        base = "an integer or \"auto\""
-    elif typ is bool:
-        base = "true or false"
-    elif typ is int:
-        base = "an integer"
-    elif typ is float:
-        base = "a number"
-    elif typ is str:
-        base = "a string"
-    elif origin is list:
-        (item,) = get_args(typ)
-        base = "a list of integers" if item is int else "a list of strings"
-    elif origin is dict:
-        base = "a table of string values"
-    else:  # pragma: no cover
-        base = str(typ)
-    lo, hi, choices = meta.get("min"), meta.get("max"), meta.get("choices")
+        if choices is not None:
+            return "one of " + ", ".join(_show(c) for c in (*choices, AUTO))
+        return f"{_range('an integer', lo, hi)} or \"auto\""
+    if typ is bool:
+        return "true or false"
     if choices is not None:
         return "one of " + ", ".join(_show(c) for c in choices)
+    if typ is int:
+        return _range("an integer", lo, hi)
+    if typ is float:
+        base = _range("a number", lo, hi)
+        return f"0 (off) or {base}" if off is not None else base
+    if typ is str:
+        return f"a string: {STRING_KINDS[meta.get('kind') or 'text']}"
+    count = _count(meta.get("items"))
+    if origin is list:
+        (item,) = get_args(typ)
+        if item is int:
+            return f"a list of {count}integers" + _range("", lo, hi).replace(" of", "", 1)
+        return f"a list of {count}strings without NUL bytes"
+    if origin is dict:
+        return f"a table of {count}string values"
+    raise AssertionError(typ)  # pragma: no cover
+
+
+def _range(base: str, lo: float | None, hi: float | None) -> str:
     if lo is not None and hi is not None:
         return f"{base} from {_num(lo)} to {_num(hi)}"
     if lo is not None:
@@ -422,6 +754,13 @@ def _describe(typ: Any, meta: Mapping[str, Any]) -> str:
     if hi is not None:
         return f"{base} of at most {_num(hi)}"
     return base
+
+
+def _count(bounds: tuple[int, int] | None) -> str:
+    if bounds is None:
+        return ""
+    lo, hi = bounds
+    return f"{lo} to {hi} " if lo else f"up to {hi} "
 
 
 def _is_union(typ: Any) -> bool:
@@ -433,19 +772,49 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
-def _show(value: Any) -> str:
+def _show(value: Any, limit: int = 60) -> str:
+    """A found value for an error message: one line, bounded, never a 4000-digit number."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, int):
+        if abs(value) >= 10 ** 18:
+            return f"a {len(str(abs(value))) if value.bit_length() < 14000 else 'huge'}-digit " \
+                   "number"
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
     if isinstance(value, str):
-        return '"' + value + '"'
+        text = one_line(value)
+        if len(text) > limit:
+            text = text[:limit] + "…"
+        return '"' + text + '"'
     if isinstance(value, dict):
         return "a table"
-    return repr(value)
+    if isinstance(value, list):
+        inner = ", ".join(_show(v, 20) for v in value[:5])
+        more = ", …" if len(value) > 5 else ""
+        text = f"[{inner}{more}]"
+        return text if len(text) <= limit + 20 else text[:limit + 20] + "…]"
+    return one_line(repr(value))[:limit]
+
+
+BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _key_text(key: str) -> str:
+    """A key as it may appear in a message: as TOML spells it (quoted unless bare), bounded."""
+    if BARE_KEY.fullmatch(key) and len(key) <= 64:
+        return key
+    text = one_line(key).replace('"', '\\"')
+    return '"' + (text if len(text) <= 64 else text[:64] + "…") + '"'
+
 
 
 def _closest(key: str, known: Mapping[str, Any]) -> str | None:
     import difflib
 
+    if len(key) > 64:
+        return None
     found = difflib.get_close_matches(key, list(known), n=1, cutoff=0.75)
     return found[0] if found else None
 
@@ -473,55 +842,149 @@ def changed_sections(old: Config, new: Config) -> list[str]:
 
 
 def read_secret(path: str) -> str:
-    """Read the API key file, refusing loose permissions (ConfigError names the fix)."""
+    """Read the API key file, refusing loose permissions (ConfigError names the fix).
+
+    The key goes into an HTTP header (ours and every client's) and into vLLM's environment:
+    it must be printable ASCII without spaces.  No message ever shows the key or a part of it.
+    """
     p = Path(path)
+    key_name = "vllm.api_key_file"
     try:
-        st = p.stat()
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise ConfigError(p, "vllm.api_key_file",
-                          "file not found; create it with the key (chmod 600) or set "
-                          "api_key_file = \"\"") from None
+        raise ConfigError(p, key_name, "file not found; create it with the key (chmod 600) or "
+                                       "set api_key_file = \"\"") from None
     except PermissionError:
-        raise ConfigError(p, "vllm.api_key_file", "permission denied; make it readable by "
-                                                  "the service user only (chmod 600)") from None
-    if st.st_mode & 0o077:
-        raise ConfigError(p, "vllm.api_key_file", f"mode {oct(st.st_mode & 0o777)} lets other "
-                                                  "users read the key; run chmod 600 on it")
+        raise ConfigError(p, key_name, "permission denied; make it readable by the service "
+                                       "user only (chmod 600)") from None
+    except OSError as e:
+        raise ConfigError(p, key_name, f"cannot read the key: {e.strerror}") from None
     try:
-        key = p.read_text(encoding="utf-8").strip()
-    except PermissionError:
-        raise ConfigError(p, "vllm.api_key_file", "permission denied; make it readable by "
-                                                  "the service user only (chmod 600)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(p, "vllm.api_key_file", f"cannot read the key: {e}") from None
-    if not key or any(c.isspace() for c in key):
-        raise ConfigError(p, "vllm.api_key_file", "expected one line holding the key, without "
-                                                  "spaces")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(p, key_name, "is not a regular file (a directory, FIFO, device "
+                                           "or socket); put the key in a file (chmod 600)")
+        if st.st_mode & 0o077:
+            raise ConfigError(p, key_name, f"mode {oct(st.st_mode & 0o777)} lets other users "
+                                           "read the key; run chmod 600 on it")
+        if st.st_size > MAX_KEY_BYTES:
+            raise ConfigError(p, key_name, f"is {st.st_size} bytes; expected one line holding "
+                                           f"the key (at most {MAX_KEY_BYTES} bytes)")
+        data = os.read(fd, MAX_KEY_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(p, key_name, f"cannot read the key: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    problem = key_problem(data)
+    if problem:
+        raise ConfigError(p, key_name, f"{problem} (the key is not shown)")
+    key = data.decode("ascii").strip()
+    remember_secret(key)
     return key
 
 
+def key_problem(data: bytes) -> str | None:
+    """What makes these bytes unusable as an API key, in words that do not reveal it."""
+    if len(data) > MAX_KEY_BYTES:
+        return f"longer than {MAX_KEY_BYTES} bytes; expected one line holding the key"
+    key = data.strip(b" \t\r\n")
+    if not key:
+        return "is empty; expected one line holding the key"
+    for i, b in enumerate(key):
+        if b > 0x7E or b < 0x21:
+            what = "a non-ASCII byte" if b > 0x7E else "whitespace or a control character"
+            return (f"holds {what} at byte {i + 1} of the key; an API key must be printable "
+                    "ASCII without spaces (HTTP headers cannot carry it otherwise)")
+    return None
+
+
+# --- rendering --------------------------------------------------------------------------------
+
+# The keys a sysadmin decides for every installation: the only ones the shipped file shows.
+SHIPPED_KEYS = ("vllm.model", "vllm.served_model_name", "vllm.port", "vllm.api_key_file")
+
+SHIPPED_HEADER = """\
+# /etc/qwen4090/qwen4090.toml: configuration of the qwen4090 vLLM supervisor.
+#
+# Every key is optional: a missing key takes its default, which lives in the program (see
+# `man qwen4090.toml` for every key, its default and what it accepts; the full reference is
+# /usr/share/doc/qwen4090/examples/qwen4090.full.toml).
+#
+# Prefer a drop-in to editing this file: files in /etc/qwen4090/conf.d/*.toml are read after it
+# in name order, table by table and key by key, later files win, e.g.
+#     /etc/qwen4090/conf.d/50-local.toml:   [vllm]
+#                                           max_model_len = 8192
+# This file then stays as packaged and upgrades never ask about it.
+#
+# Check a change with `qwen4090 check-config`, apply it with `systemctl reload qwen4090`.
+"""
+
+
+def field_doc(dotted: str) -> str:
+    """The full documentation of one key: its help, what it accepts, its rules with others."""
+    section, key = dotted.split(".", 1)
+    f = {f.name: f for f in dataclasses.fields(SECTIONS[section])}[key]
+    typ = get_type_hints(SECTIONS[section])[key]
+    parts = [f.metadata["help"] + ".", f"Accepts {_describe(typ, f.metadata)}."]
+    rules = [r.doc for r in RULES if r.key == dotted]
+    if rules:
+        parts.append("Must be " + "; and ".join(rules) + ".")
+    return " ".join(parts)
+
+
 def render_toml(cfg: Config | None = None) -> str:
-    """The config as a commented TOML file (the shipped etc/ file is this, for the defaults)."""
+    """The shipped /etc/qwen4090/qwen4090.toml: a header and the keys every site decides.
+
+    Short on purpose: a conffile that spells out every default changes whenever a default
+    does, and dpkg then asks each sysadmin who edited it.  Keys whose default suffices are
+    commented out; values that differ from the defaults (``cfg``) are set.
+    """
     cfg = cfg or Config()
+    values = as_dict(cfg)
+    defaults = defaults_as_dict()
     helps = field_help()
-    out = ["# qwen4090 configuration. Every key is shown with its default; delete a key to use",
-           "# the default. Drop-ins in conf.d/*.toml next to this file are merged in name order.",
-           "# Check a change with: qwen4090 check-config",
+    out = [SHIPPED_HEADER]
+    current = None
+    for dotted in SHIPPED_KEYS:
+        section, key = dotted.split(".", 1)
+        if section != current:
+            out.append(f"[{section}]")
+            current = section
+        value = values[section][key]
+        out += _wrap_comment(helps[dotted])
+        prefix = "" if value != defaults[section][key] else "#"
+        out.append(f"{prefix}{key} = {_toml_value(value)}")
+    return "\n".join(out) + "\n"
+
+
+def render_full_toml(cfg: Config | None = None) -> str:
+    """Every key with its value, its help and what it accepts: the reference example."""
+    cfg = cfg or Config()
+    out = ["# qwen4090: every configuration key with its default (generated from the program;",
+           "# `man qwen4090.toml` says the same). Copy what you change into a drop-in in",
+           "# /etc/qwen4090/conf.d/ rather than this whole file: a copied default stops",
+           "# following the program's.",
            ""]
     for name in SECTIONS:
         out.append(f"[{name}]")
         for key, value in dataclasses.asdict(getattr(cfg, name)).items():
-            out.append(f"# {helps[f'{name}.{key}']}")
+            out += _wrap_comment(field_doc(f"{name}.{key}"))
             out.append(f"{key} = {_toml_value(value)}")
         out.append("")
     return "\n".join(out)
+
+
+def _wrap_comment(text: str, width: int = 98) -> list[str]:
+    import textwrap
+
+    return ["# " + line for line in textwrap.wrap(text, width - 2, break_on_hyphens=False)]
 
 
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return '"' + "".join(_toml_char(c) for c in value) + '"'
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, list):
@@ -529,3 +992,11 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(value)  # pragma: no cover
+
+
+def _toml_char(c: str) -> str:
+    if c in ('"', "\\"):
+        return "\\" + c
+    if c.isprintable():
+        return c
+    return f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}"

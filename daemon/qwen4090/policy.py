@@ -173,7 +173,11 @@ def backoff_delay(consecutive: int, cfg: RestartConfig, rand: random.Random | No
                   ) -> float:
     """Seconds to wait before restart number ``consecutive`` (1 = first), with jitter."""
     n = max(consecutive, 1)
-    base = min(cfg.backoff_max, cfg.backoff_initial * cfg.backoff_factor ** (n - 1))
+    try:
+        grown = cfg.backoff_initial * cfg.backoff_factor ** (n - 1)
+    except OverflowError:  # after ~1000 slow failures: past a float's range, and backoff_max
+        grown = cfg.backoff_max if cfg.backoff_initial > 0 else 0.0
+    base = min(cfg.backoff_max, grown)
     if cfg.jitter and base > 0:
         r = (rand or random).uniform(-1.0, 1.0)
         base *= 1.0 + cfg.jitter * r

@@ -8,7 +8,7 @@ tests/unit/test_packaging.py checks that the committed page matches this output.
 from __future__ import annotations
 
 from qwen4090 import __version__
-from qwen4090.config import SECTIONS, _toml_value, defaults_as_dict, field_help
+from qwen4090.config import SECTIONS, _toml_value, defaults_as_dict, field_doc
 
 SECTION_TEXT = {
     "vllm": "How vLLM is started. A change restarts vLLM on reload.",
@@ -34,14 +34,23 @@ qwen4090.toml \- configuration of the qwen4090 vLLM supervisor
 (for \fBqwen4090@NAME.service\fR)
 .SH DESCRIPTION
 A TOML file with the sections below. Every key is optional: a missing key takes the
-default shown here, which is also what the shipped file spells out. Files in
-\fIconf.d/*.toml\fR next to the main file are read after it in name order; their tables
-merge key by key and later files win, so local changes can live in a drop-in such as
-\fIconf.d/50\-local.toml\fR while the packaged file stays untouched.
+default shown here, which lives in the program. The packaged
+\fI/etc/qwen4090/qwen4090.toml\fR shows only the keys every installation decides (the
+model, its served name, the port, the API key file), commented out; every key with its
+default and what it accepts is in
+\fI/usr/share/doc/qwen4090/examples/qwen4090.full.toml\fR, generated like this page.
+Files in \fIconf.d/*.toml\fR next to the main file are read after it in name order; their
+tables merge key by key and later files win, so local changes can live in a drop-in such as
+\fIconf.d/50\-local.toml\fR while the packaged file stays untouched (and upgrades never ask
+about it).
 .PP
-An unknown section or key, a value of the wrong type or out of range stops
-\fBqwen4090 check\-config\fR and \fBqwen4090 run\fR with one line naming the file, the key,
-what was found and what is expected, and exit status 78.
+An unknown section or key, a value of the wrong type or out of range, or two keys that
+contradict each other (each key below says what it accepts and which rules tie it to
+others) stop \fBqwen4090 check\-config\fR and \fBqwen4090 run\fR with one line naming the
+file, the key, what was found and what is expected, and exit status 78. A configuration
+that \fBcheck\-config\fR accepts is one that \fBrun\fR can start. Config files and the API
+key file must be regular files (a FIFO or a device is refused, never waited on); a config
+file may be at most 1 MiB.
 .PP
 On \fBsystemctl reload\fR (SIGHUP) the files are read again. A broken new configuration is
 logged as an error and the old one keeps serving. Changes to \fB[vllm]\fR restart vLLM in a
@@ -52,7 +61,10 @@ TAIL = r""".SH API KEY
 With \fBapi_key_file\fR empty and a systemd credential named \fBapi_key\fR present, that
 credential is used: the packaged unit loads it from \fI/etc/credstore/qwen4090.api_key\fR
 (\fI/etc/credstore/qwen4090\-NAME.api_key\fR for an instance). A key file that the group or
-others may read is refused. The key reaches vLLM in its environment, never on its command line.
+others may read is refused. The key must be printable ASCII without spaces (one line; a
+trailing newline is fine): a key that an HTTP header cannot carry is refused with exit status
+78, and no message shows it. The key reaches vLLM in its environment, never on its command
+line.
 .SH EXAMPLE
 Serve a model on a CPU test machine with a small context:
 .PP
@@ -90,13 +102,12 @@ def esc(text: str) -> str:
 
 def render() -> str:
     defaults = defaults_as_dict()
-    helps = field_help()
     out = [HEAD.format(version=__version__).rstrip("\n"), ".SH SECTIONS"]
     for name in SECTIONS:
         out += [f".SS [{name}]", esc(SECTION_TEXT.get(name, ""))]
         for key, value in defaults[name].items():
             out += [".TP", f"\\fB{esc(key)}\\fR = {esc(_toml_value(value))}",
-                    esc(helps[f"{name}.{key}"])]
+                    esc(field_doc(f"{name}.{key}"))]
     return "\n".join(out) + "\n" + TAIL
 
 

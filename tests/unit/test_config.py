@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -24,12 +25,54 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
-def test_shipped_toml_is_the_defaults_and_the_rendering():
+FULL = REPO / "packaging" / "examples" / "qwen4090.full.toml"
+
+
+def shipped_keys(text: str) -> dict[str, object]:
+    """'section.key' -> value of every key the file sets or shows commented out ('#key = v')."""
+    found: dict[str, object] = {}
+    section = None
+    for line in text.splitlines():
+        head = re.fullmatch(r"\[(\w+)\]", line)
+        if head:
+            section = head.group(1)
+            continue
+        m = re.fullmatch(r"#?(\w+) = (.+)", line)
+        if m and section:
+            found[f"{section}.{m.group(1)}"] = tomllib.loads(f"v = {m.group(2)}")["v"]
+    return found
+
+
+def test_shipped_toml_is_short_and_holds_no_value_but_the_defaults():
+    text = SHIPPED.read_text()
     with SHIPPED.open("rb") as f:
-        shipped = tomllib.load(f)
-    assert shipped == defaults_as_dict()
-    # Every key is there, with its comment, exactly as the code renders it.
-    assert SHIPPED.read_text() == config.render_toml()
+        parsed = tomllib.load(f)
+    defaults = defaults_as_dict()
+    # Whatever it sets uncommented is the default (the defaults live only in config.py) ...
+    for section, table in parsed.items():
+        for key, value in table.items():
+            assert value == defaults[section][key], f"{section}.{key}"
+    # ... and every key it shows, commented or not, exists and shows its default.
+    shown = shipped_keys(text)
+    assert sorted(shown) == sorted(config.SHIPPED_KEYS)
+    for dotted, value in shown.items():
+        section, key = dotted.split(".")
+        assert value == defaults[section][key], dotted
+    # Short: a handful of keys, pointing at the drop-ins and the man page.
+    assert len(shown) <= 6 and "conf.d/" in text and "man qwen4090.toml" in text
+    assert config.load(SHIPPED) == Config()
+    assert text == config.render_toml()
+
+
+def test_full_reference_is_generated_and_is_every_default():
+    with FULL.open("rb") as f:
+        assert tomllib.load(f) == defaults_as_dict()
+    assert FULL.read_text() == config.render_full_toml(), (
+        "packaging/examples/qwen4090.full.toml is stale; run: PYTHONPATH=daemon python3 -c "
+        "'from qwen4090.config import render_full_toml as r; print(r(), end=\"\")' "
+        "> packaging/examples/qwen4090.full.toml")
+    for dotted in config.field_help():
+        assert config.field_doc(dotted).split(" Accepts ")[1], dotted
 
 
 def test_every_key_has_help():
@@ -65,10 +108,12 @@ def test_drop_ins_merge_in_name_order(tmp_path):
         ("[vllm]\ngpu_memory_utilization = 1.5\n", "vllm.gpu_memory_utilization",
          ["found 1.5", "from 0.05 to 0.99"]),
         ("[vllm]\nenforce_eager = \"yes\"\n", "vllm.enforce_eager", ["true or false"]),
-        ("[vllm]\nmax_model_len = \"big\"\n", "vllm.max_model_len", ['integer or "auto"']),
+        ("[vllm]\nmax_model_len = \"big\"\n", "vllm.max_model_len",
+         ['an integer from 16', 'or "auto"']),
         ("[vllm]\ndtype = \"fp64\"\n", "vllm.dtype", ["one of"]),
-        ("[warmup]\nlengths = [1, \"x\"]\n", "warmup.lengths", ["a list of integers"]),
-        ("[warmup]\nlengths = [0]\n", "warmup.lengths", ["each at least 1"]),
+        ("[warmup]\nlengths = [1, \"x\"]\n", "warmup.lengths",
+         ["a list of 1 to 64 integers", "(item 2)"]),
+        ("[warmup]\nlengths = [0]\n", "warmup.lengths", ["integers from 1", "(item 1)"]),
         ("[vllm]\ncommand = []\n", "vllm.command", ["found []"]),
         ("[vllm]\nextra_args = [\"--api-key=s3cret\"]\n", "vllm.extra_args", ["no secrets"]),
         ("[vllm]\nenv = { VLLM_API_KEY = \"x\" }\n", "vllm.env.VLLM_API_KEY", ["api_key_file"]),
@@ -105,7 +150,7 @@ def test_syntax_error_and_missing_file(tmp_path):
 
 def test_changed_sections():
     a = Config()
-    b = config.from_dict({"watch": {"hang_timeout": 5.0}})
+    b = config.from_dict({"watch": {"hang_timeout": 15.0}})
     c = config.from_dict({"vllm": {"port": 9}})
     assert changed_sections(a, b) == ["watch"]
     # status.port follows vllm.port when unset (qwen4090.derived), so it moves along
