@@ -52,6 +52,15 @@ def check_model(cfg: Config, res: PreflightResult) -> None:
                             "the model hub (set HF_HUB_OFFLINE=1 to forbid downloads)")
         return
     p = Path(model).expanduser()
+    try:  # cfg: stat may fail with EACCES/ENAMETOOLONG: a fatal line, never a traceback
+        _check_model_dir(p, src, res)
+    except (OSError, ValueError) as e:
+        res.fatal = ConfigError(src, "vllm.model", f"cannot look at {p}: "
+                                f"{getattr(e, 'strerror', None) or type(e).__name__}; fix the "
+                                "path or its permissions for the service user")
+
+
+def _check_model_dir(p: Path, src: str | None, res: PreflightResult) -> None:
     if not p.exists():
         res.fatal = ConfigError(src, "vllm.model", f"directory {p} does not exist; download "
                                 "the model there (qwen4090 fetch-model) or fix the path")
@@ -72,7 +81,10 @@ def check_command(cfg: Config, res: PreflightResult) -> None:
     exe = cfg.vllm.command[0]
     src = cfg.sources[0] if cfg.sources else None
     found = shutil.which(exe)
-    if found is None:
+    if found is not None and not os.path.isfile(found):  # cfg: a FIFO or device with +x
+        res.fatal = ConfigError(src, "vllm.command", f"{found} is not a regular file; fix "
+                                                     "vllm.command")
+    elif found is None:
         fix = ("run `qwen4090 install-runtime` or set vllm.command"
                if exe.startswith("/opt/qwen4090") else "fix vllm.command")
         res.fatal = ConfigError(src, "vllm.command", f"{exe} is not an executable; {fix}")
