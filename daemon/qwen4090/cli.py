@@ -254,7 +254,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             api.beat()
             wake.wait(sup.next_wakeup(time.monotonic()))
     except Exception as e:
-        log.critical("internal_error", error=repr(e))
+        from qwen4090.redact import safe_error
+
+        log.critical("internal_error", error=safe_error(e, where=True))
         if sup.child is not None:
             import signal as _signal
 

@@ -41,6 +41,7 @@ from qwen4090 import __version__
 from qwen4090.config import Config, as_dict
 from qwen4090.policy import Cause
 from qwen4090.probes.http import MetricsResult
+from qwen4090.redact import safe_error
 from qwen4090.states import State
 
 # /livez fails when the supervisor's loop has not stepped for this long (it steps every <= 0.5 s).
@@ -477,8 +478,9 @@ class StatusApi:
                            head=head)
         except Exception as e:  # a bug here must not take the endpoint down
             if self.log is not None:
-                self.log.error("status_endpoint_error", path=path, error=repr(e))
-            self._send(req, 500, f"internal error: {e!r}\n", head=head)
+                self.log.error("status_endpoint_error", path=path,
+                               error=safe_error(e, where=True))
+            self._send(req, 500, f"internal error: {safe_error(e)}\n", head=head)
 
     @staticmethod
     def _send(req: _Handler, code: int, body: str | bytes,

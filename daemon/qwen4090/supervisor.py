@@ -44,6 +44,7 @@ from qwen4090.probes.http import (
     MetricsResult,
     progress_counter,
 )
+from qwen4090.redact import safe_error
 from qwen4090.states import State
 from qwen4090.warmup import WarmupResult
 
@@ -311,7 +312,7 @@ class Supervisor:
             try:
                 result = task.future.result()
             except Exception as e:
-                self.log.error("probe_crashed", kind=kind, error=repr(e))
+                self.log.error("probe_crashed", kind=kind, error=safe_error(e, where=True))
                 continue
             getattr(self, f"on_{kind}")(now, result)
 
@@ -600,7 +601,7 @@ class Supervisor:
         try:
             changes = self.p.adjust_after_failure(self.launch_cfg, v, self.exit_tail)
         except Exception as e:
-            self.log.error("oom_step_down_failed", error=repr(e))
+            self.log.error("oom_step_down_failed", error=safe_error(e, where=True))
             return
         if changes:
             self.log.warning("oom_step_down", changes="; ".join(changes), cause=v.detail)
@@ -840,7 +841,8 @@ class Supervisor:
             try:
                 listener(event, fields)
             except Exception as e:
-                self.log.error("listener_failed", event_name=event, error=repr(e))
+                self.log.error("listener_failed", event_name=event,
+                               error=safe_error(e, where=True))
 
     def notify_stopping(self, status: str) -> None:
         self.p.notifier.stopping(status)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from qwen4090.config import AUTO, Config
 from qwen4090.probes.http import CompletionResult, VllmProbe
+from qwen4090.redact import safe_error
 
 TOKEN_ID_RANGE = (100, 1000)  # ids below 1000 exist in every tokenizer we serve
 
@@ -137,7 +138,10 @@ def _parallel(fn: Callable[[list[int]], CompletionResult], prompts: list[list[in
     outs: list[CompletionResult | None] = [None] * len(prompts)
 
     def one(i: int) -> None:
-        outs[i] = fn(prompts[i])
+        try:
+            outs[i] = fn(prompts[i])
+        except Exception as e:  # said as what it is, not as "no answer within 125s"
+            outs[i] = CompletionResult(False, None, 0.0, 0, safe_error(e))
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True, name="warmup")
                for i in range(len(prompts))]

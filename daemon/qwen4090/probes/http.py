@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from qwen4090.policy import PROBE_MARKER
+from qwen4090.redact import safe_error
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class VllmProbe:
                 status = resp.status
             finally:
                 conn.close()
-        except (OSError, http.client.HTTPException) as e:
+        except Exception as e:  # never raise; e's text may hold a header: _why is safe
             return HealthResult(False, None, self.clock() - start, _why(e, timeout))
         ok = status == 200
         return HealthResult(ok, status, self.clock() - start, "" if ok else f"HTTP {status}")
@@ -93,7 +94,7 @@ class VllmProbe:
                 status = resp.status
             finally:
                 conn.close()
-        except (OSError, http.client.HTTPException) as e:
+        except Exception as e:  # never raise; e's text may hold a header: _why is safe
             return MetricsResult(False, {}, self.clock() - start, _why(e, timeout))
         if status != 200:
             return MetricsResult(False, {}, self.clock() - start, f"HTTP {status}")
@@ -155,7 +156,7 @@ class VllmProbe:
                             finish = choice["finish_reason"]
             finally:
                 conn.close()
-        except (OSError, http.client.HTTPException) as e:
+        except Exception as e:  # e.g. UnicodeEncodeError holding the Authorization header
             return CompletionResult(False, ttft, self.clock() - start, tokens, _why(e, timeout))
         seconds = self.clock() - start
         if ttft is None:
@@ -172,7 +173,7 @@ def _why(e: BaseException, timeout: float) -> str:
         return f"no answer within {timeout:g}s"
     if isinstance(e, ConnectionRefusedError):
         return "connection refused"
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return safe_error(e)  # never repr(e)/str(e): they can carry a header or the key
 
 
 def _error_text(body: str) -> str:
