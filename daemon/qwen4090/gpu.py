@@ -187,9 +187,14 @@ class GpuParts:
         fp = self.fp or learned.fingerprint(launch, "", 0)
         store = learned.LearnedStore(learned.state_dir(launch, self.env))
         value: float = int(rung.new) if rung.key != "gpu_memory_utilization" else rung.new
-        store.record(rung.key, value, fp, f"{facts.kind.value if facts else 'oom'}: {rung.why}")
-        self.log.warning("learned_saved", key=rung.key, value=value, file=str(store.path),
-                         oom=facts.kind.value if facts else "unknown")
+        failed = store.record(rung.key, value, fp,
+                              f"{facts.kind.value if facts else 'oom'}: {rung.why}")
+        if failed is not None:  # cfg: still applied to the next launch; say where and the fix
+            self.log.error("learned_not_saved", key=rung.key, value=value, file=failed.path,
+                           error=failed.error, hint=failed.hint)
+        else:
+            self.log.warning("learned_saved", key=rung.key, value=value, file=str(store.path),
+                             oom=facts.kind.value if facts else "unknown")
         return [rung.describe()]
 
     # --- between stop and relaunch ------------------------------------------------------------

@@ -9,15 +9,18 @@ when the fingerprint changes, what was learned no longer applies and is ignored 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import os
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
-from qwen4090.config import AUTO, Config
+from qwen4090.config import AUTO, Config, ConfigError, VllmConfig, _check
 
 FILE_NAME = "learned.json"
 DEFAULT_STATE_DIR = "/var/lib/qwen4090"
@@ -49,6 +52,24 @@ def fingerprint(cfg: Config, gpu_name: str, gpu_bytes: int) -> dict[str, Any]:
             "gpu": gpu_name, "gpu_gib": round(gpu_bytes / 1024 ** 3, 1)}
 
 
+@dataclass(frozen=True)
+class SaveFailure:
+    """Why learned settings could not be written, and what the sysadmin does about it."""
+
+    path: str
+    error: str  # strerror, e.g. "Permission denied", "Read-only file system"
+    hint: str
+
+    def line(self) -> str:
+        return f"cannot save learned settings to {self.path}: {self.error}; {self.hint}"
+
+
+# What could not be written stays here for the life of this process, so a step-down still
+# applies to the next launch even when the state directory is not writable.
+_unsaved: dict[Path, dict[str, Any]] = {}
+_unsaved_lock = threading.Lock()
+
+
 class LearnedStore:
     def __init__(self, directory: Path, clock: Any = time.time) -> None:
         self.dir = Path(directory)
@@ -56,6 +77,9 @@ class LearnedStore:
         self.clock = clock
 
     def read(self) -> dict[str, Any]:
+        with _unsaved_lock:
+            if self.path in _unsaved:
+                return copy.deepcopy(_unsaved[self.path])
         try:
             data = json.loads(self.path.read_text(encoding="utf-8"))
         except FileNotFoundError:
@@ -79,16 +103,23 @@ class LearnedStore:
         for key in KEYS:
             if key not in settings:
                 continue
-            learned = settings[key]
+            learned = _valid(key, settings[key])
+            if learned is None:  # a hand-edited or foreign file: never a crash over it
+                notes.append(f"ignored learned {key}: {settings[key]!r:.40} is not a valid "
+                             f"vllm.{key}")
+                continue
             current = getattr(v, key)
             if current == AUTO or (isinstance(current, (int, float)) and learned < current):
                 changes[key] = learned
                 notes.append(f"{key} {current} -> {learned}")
         if not changes:
-            return cfg, []
+            return cfg, notes
         return dataclasses.replace(cfg, vllm=dataclasses.replace(v, **changes)), notes
 
-    def record(self, key: str, value: float, fp: dict[str, Any], why: str) -> None:
+    def record(self, key: str, value: float, fp: dict[str, Any], why: str
+               ) -> SaveFailure | None:
+        """Remember a learned ceiling; None when saved, else why not (it still applies in
+        this process: the supervisor must never die, or forget a step-down, over a disk)."""
         data = self.read()
         if data.get("fingerprint") != fp:
             data = {}
@@ -96,12 +127,25 @@ class LearnedStore:
         settings[key] = value
         history = list(data.get("history") or [])[-19:]
         history.append({"time": round(self.clock(), 3), "key": key, "value": value, "why": why})
-        self._write({"version": 1, "fingerprint": fp, "settings": settings,
-                     "history": history})
+        new = {"version": 1, "fingerprint": fp, "settings": settings, "history": history}
+        try:
+            self._write(new)
+        except OSError as e:
+            with _unsaved_lock:
+                _unsaved[self.path] = new
+            return SaveFailure(str(self.path), e.strerror or type(e).__name__,
+                               f"create {self.dir} owned by the service user, or set "
+                               "gpu.state_directory to a writable directory; until then it "
+                               "applies only until qwen4090 exits")
+        with _unsaved_lock:
+            _unsaved.pop(self.path, None)
+        return None
 
     def reset(self) -> list[str]:
         settings = sorted(self.read().get("settings") or {})
-        with contextlib.suppress(FileNotFoundError):
+        with _unsaved_lock:
+            _unsaved.pop(self.path, None)
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # no file: done
             self.path.unlink()
         return settings
 
@@ -119,3 +163,13 @@ class LearnedStore:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+
+def _valid(key: str, value: Any) -> int | float | None:
+    """A learned value as the config would accept it for vllm.<key>, or None."""
+    f = {f.name: f for f in dataclasses.fields(VllmConfig)}[key]
+    try:
+        checked = _check(None, key, value, get_type_hints(VllmConfig)[key], f.metadata)
+    except ConfigError:
+        return None
+    return None if checked == AUTO else checked
