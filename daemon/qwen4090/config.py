@@ -117,7 +117,8 @@ class VllmConfig:
                                 "no spaces); empty = no key; must not be group/world readable",
                             kind="abspath")
     extra_args: list[str] = opt([], "more vLLM flags, appended verbatim (no secrets here, and "
-                                    "none that a key above sets)",
+                                    "none that a key above sets; with command and env at most "
+                                    "262144 bytes)",
                                 factory=True, kind="arg", items=(0, 256))
     env: dict[str, str] = opt({}, "extra environment variables for vLLM (names of letters, "
                                   "digits and _)", factory=True, items=(0, 128))
@@ -534,7 +535,7 @@ STRING_KINDS = {
     "model": "a directory (absolute, ./, ../ or ~) or a hub id like Org/Name, not starting "
              "with '-'",
     "abspath": "empty, or an absolute path",
-    "arg": "a non-empty string without NUL bytes",
+    "arg": "non-empty, without NUL bytes, at most 65536 bytes",
 }
 
 
@@ -740,9 +741,9 @@ def _describe(typ: Any, meta: Mapping[str, Any]) -> str:
         (item,) = get_args(typ)
         if item is int:
             return f"a list of {count}integers" + _range("", lo, hi).replace(" of", "", 1)
-        return f"a list of {count}strings without NUL bytes"
+        return f"a list of {count}strings ({STRING_KINDS[meta.get('kind') or 'text']})"
     if origin is dict:
-        return f"a table of {count}string values"
+        return f"a table of {count}string values (without NUL bytes)"
     raise AssertionError(typ)  # pragma: no cover
 
 
