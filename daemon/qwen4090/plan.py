@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from qwen4090.cli import _config_arg, command, config_error
-from qwen4090.config import AUTO, Config, ConfigError
+from qwen4090.config import AUTO, Config, ConfigError, read_regular_file
 
 GIB = 1024 ** 3
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
@@ -102,8 +102,10 @@ class ModelFacts:
 def read_model(model_dir: str | os.PathLike[str]) -> ModelFacts:
     d = Path(model_dir).expanduser()
     cfg_path = d / "config.json"
-    try:
-        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    try:  # cfg: a FIFO or device as config.json is refused at once, never waited on
+        raw = json.loads(read_regular_file(cfg_path, 16 << 20, what="the model's config.json"))
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
     except FileNotFoundError:
         raise PlanError(f"{cfg_path} not found: point vllm.model (or --model) at the model's "
                         "top directory") from None

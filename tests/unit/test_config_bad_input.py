@@ -274,3 +274,24 @@ def test_model_directory_that_cannot_be_looked_at_is_a_line_not_a_traceback(
     res = preflight.static(cfg)
     assert res.fatal is not None and res.fatal.key == "vllm.model"
     assert "Permission denied" in str(res.fatal)
+
+
+def test_fifo_as_the_models_config_json_is_refused_by_plan(tmp_path):
+    from qwen4090 import plan
+
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    box: dict[str, BaseException] = {}
+
+    def read() -> None:
+        try:
+            plan.read_model(model)
+        except BaseException as e:
+            box["e"] = e
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "plan.read_model blocked on a FIFO"
+    assert isinstance(box.get("e"), plan.PlanError) and "not a regular file" in str(box["e"])
