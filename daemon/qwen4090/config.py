@@ -1,11 +1,16 @@
 """Configuration: the one place where defaults live, TOML loading and validation.
 
 Every key is a dataclass field whose metadata carries its one-line help, its
-allowed range or choices.  Loading reads the main file, then ``conf.d/*.toml``
-next to it in name order (tables merge key by key, later files win), then
-checks every key.  Any problem is a :class:`ConfigError` whose message is one
-line naming the file, the key, what was found and what is expected, so that a
-sysadmin can fix it without reading code.
+allowed range or choices, the rules of its strings (STRING_KINDS) and the size
+of its lists; RULES ties keys together.  Loading reads the main file, then
+``conf.d/*.toml`` next to it in name order (tables merge key by key, later files
+win), then checks every key.  Any problem is a :class:`ConfigError` whose
+message is one line naming the file, the key, what was found and what is
+expected, so that a sysadmin can fix it without reading code.  The contract,
+held by tests/unit/test_config_props.py: whatever the input, the answer is a
+Config or one such line, and a Config that loads is one `run` can launch.
+The same metadata renders each key's documentation (field_doc) into the man
+page and the full reference file, so the docs cannot drift from the checks.
 """
 
 from __future__ import annotations
