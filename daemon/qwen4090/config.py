@@ -636,6 +636,10 @@ RULES: tuple[Rule, ...] = (
     Rule("status.port", "must differ from vllm.port while status.enabled",
          lambda c: not c.status.enabled or c.status.port != c.vllm.port,
          lambda c: f"{c.status.port}, the same as vllm.port"),
+    Rule("gpu.device", "at most 63 also when it follows vllm.env.CUDA_VISIBLE_DEVICES",
+         lambda c: c.gpu.device <= 63,  # qwen4090.derived sets it after the range check
+         lambda c: f"{c.gpu.device} (from vllm.env.CUDA_VISIBLE_DEVICES = "
+                   f"{c.vllm.env.get('CUDA_VISIBLE_DEVICES', '')!r})"),
     Rule("restart.backoff_max", "at least restart.backoff_initial",
          lambda c: c.restart.backoff_max >= c.restart.backoff_initial,
          lambda c: f"{c.restart.backoff_max:g} with restart.backoff_initial = "
@@ -654,6 +658,11 @@ RULES: tuple[Rule, ...] = (
          lambda c: c.warmup.request_timeout <= c.warmup.timeout,
          lambda c: f"{c.warmup.request_timeout:g} with warmup.timeout = "
                    f"{c.warmup.timeout:g}"),
+    Rule("warmup.max_tokens", "less than vllm.max_model_len (a warmup request needs a prompt "
+                              "token too)",
+         lambda c: not isinstance(c.vllm.max_model_len, int)
+         or c.warmup.max_tokens < c.vllm.max_model_len,
+         lambda c: f"{c.warmup.max_tokens} with vllm.max_model_len = {c.vllm.max_model_len}"),
     Rule("vllm.max_num_batched_tokens", "at least vllm.max_num_seqs (vLLM refuses less)",
          lambda c: not _ints(c.vllm.max_num_batched_tokens, c.vllm.max_num_seqs)
          or c.vllm.max_num_batched_tokens >= c.vllm.max_num_seqs,  # type: ignore[operator]

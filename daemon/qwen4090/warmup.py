@@ -87,6 +87,9 @@ def plan_steps(cfg: Config) -> tuple[list[WarmupStep], list[str]]:
         if seqs is not None and c > seqs:
             skipped.append(f"concurrency {c} (max_num_seqs {seqs})")
             continue
+        if limit is not None and short + w.max_tokens > limit:  # not even a 1-token prompt
+            skipped.append(f"concurrency {c} (max_model_len {limit})")
+            continue
         steps.append(WarmupStep(short, c))
     return steps, skipped
 

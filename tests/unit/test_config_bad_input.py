@@ -3,6 +3,7 @@ line naming the file and the key; none hangs, raises or echoes a secret."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -116,6 +117,7 @@ def test_unreadable_toml_is_one_line_without_traceback(tmp_path, capsys):
     ('env = { "A=B" = "x" }', 'vllm.env."A=B"', "variable name"),
     ('env = { "" = "x" }', 'vllm.env.""', "variable name"),
     ('env = { WATCHDOG_USEC = "1" }', "vllm.env.WATCHDOG_USEC", "set by qwen4090"),
+    ('env = { CUDA_VISIBLE_DEVICES = "99" }', "gpu.device", "found 99 (from vllm.env"),
     ('extra_args = ["--seed", "1\\u0000"]', "vllm.extra_args", "item 2: it contains a NUL"),
     ('extra_args = [""]', "vllm.extra_args", "item 1: it is empty"),
     ('extra_args = ["--port", "9000"]', "vllm.extra_args", "sets from vllm.port"),
@@ -162,6 +164,8 @@ def test_model_and_command_values_that_could_not_run(tmp_path, capsys, text, key
     ("[warmup]\nlengths = []", "warmup.lengths", "at least 1 entry"),
     ("[warmup]\nrequest_timeout = 600.0\ntimeout = 300.0", "warmup.request_timeout",
      "at most warmup.timeout"),
+    ("max_model_len = 16\n[warmup]\nmax_tokens = 16", "warmup.max_tokens",
+     "less than vllm.max_model_len"),
     ("[restart]\nbudget_failures = 0", "restart.budget_failures", "from 1"),
     ("[restart]\nbackoff_factor = 0.5", "restart.backoff_factor", "from 1 to 10"),
     ("[restart]\njitter = 2", "restart.jitter", "from 0 to 1"),
@@ -295,3 +299,14 @@ def test_fifo_as_the_models_config_json_is_refused_by_plan(tmp_path):
     t.join(30)
     assert not t.is_alive(), "plan.read_model blocked on a FIFO"
     assert isinstance(box.get("e"), plan.PlanError) and "not a regular file" in str(box["e"])
+
+
+def test_warmup_never_plans_a_request_longer_than_max_model_len():
+    from qwen4090.warmup import plan_steps
+
+    # What an OOM ladder can reach at run time (max_model_len lowered below the check's).
+    cfg = config.from_dict({"vllm": {"model": "/m", "max_model_len": 16},
+                            "warmup": {"max_tokens": 15}})
+    tight = dataclasses.replace(cfg, vllm=dataclasses.replace(cfg.vllm, max_model_len=15))
+    steps, skipped = plan_steps(tight)
+    assert steps == [] and "concurrency 8 (max_model_len 15)" in skipped

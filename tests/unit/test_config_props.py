@@ -144,10 +144,14 @@ def valid(section: str, name: str, typ: Any, meta: dict[str, Any]) -> st.SearchS
         return st.lists(st.sampled_from(["--seed", "1", "--load-format", "dummy",
                                          "--trust-remote-code", "x y", "ünï"]), max_size=4)
     if get_origin(typ) is dict:
-        return st.dictionaries(st.from_regex(r"[A-Z_][A-Z0-9_]{0,8}", fullmatch=True),
-                               st.text(st.characters(blacklist_characters="\0",
-                                                     blacklist_categories=("Cs",)),
-                                       max_size=10), max_size=3)
+        plain = st.dictionaries(st.from_regex(r"[A-Z_][A-Z0-9_]{0,8}", fullmatch=True),
+                                st.text(st.characters(blacklist_characters="\0",
+                                                      blacklist_categories=("Cs",)),
+                                        max_size=10), max_size=3)
+        # gpu.device follows CUDA_VISIBLE_DEVICES (qwen4090.derived): exercise that too.
+        cuda = st.fixed_dictionaries({"CUDA_VISIBLE_DEVICES": st.sampled_from(
+            ["0", "1,2", "3", "99", "", "GPU-5d1c", "MIG-1/2", " 2 , 0"])})
+        return plain | cuda
     raise AssertionError(typ)
 
 
