@@ -266,7 +266,7 @@ def live_settings(sup: Any, gpu: Any, on_gpu_fault: Callable[[str], None]
         changed, cfg = fields.get("changed", []), sup.cfg
         if "log" in changed:
             chosen = logs.setup(cfg.log.format, cfg.log.level)
-            sup.log.info("logging_reconfigured", format=chosen, level=cfg.log.level)
+            sup.log.info("logging_reconfigured", format=chosen, log_level=cfg.log.level)
         if "gpu" in changed:
             gpu.stop_watch()
             gpu.start_watch(cfg, on_gpu_fault, sup.report_gpu_sample)
