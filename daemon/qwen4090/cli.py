@@ -228,7 +228,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         preflight=preflight,
         adjust_after_failure=gpu.adjust_after_failure,
         gpu_held=gpu.gpu_held,
-        release_timeout=cfg.gpu.release_timeout,
         warmup=warmup.run,  # type: ignore[arg-type]
         load_config=lambda: config_mod.load(args.config),
         notifier=notifier,
@@ -243,7 +242,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         sup.report_gpu_fault(detail)
         wake.wake()
 
-    gpu.start_watch(cfg, on_gpu_fault)
+    # --- gpu (H5): samples reach the listeners (/status, /metrics); a reload redoes what was
+    # set up from the config at start-up: logging and the GPU watch.
+    gpu.start_watch(cfg, on_gpu_fault, sup.report_gpu_sample)
+    sup.p.listeners.append(live_settings(sup, gpu, on_gpu_fault))
+    # --- end gpu
     from qwen4090 import httpapi
 
     api = httpapi.start(sup, log, sources=[watch])  # /status, /metrics, /livez, /readyz
@@ -269,6 +272,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     code = sup.exit_code if sup.exit_code is not None else EX_SOFTWARE
     log.info("exiting", exit_code=code, state=sup.state.value)
     return code
+
+
+def live_settings(sup: Any, gpu: Any, on_gpu_fault: Callable[[str], None]
+                  ) -> Callable[[str, dict[str, Any]], None]:
+    """A supervisor listener that applies a reloaded [log] and [gpu] to what cmd_run set up
+    from them (the supervisor itself reads every other setting from its current config)."""
+    def on_event(event: str, fields: dict[str, Any]) -> None:
+        if event != "reloaded":
+            return
+        changed, cfg = fields.get("changed", []), sup.cfg
+        if "log" in changed:
+            chosen = logs.setup(cfg.log.format, cfg.log.level)
+            sup.log.info("logging_reconfigured", format=chosen, log_level=cfg.log.level)
+        if "gpu" in changed:
+            gpu.stop_watch()
+            gpu.start_watch(cfg, on_gpu_fault, sup.report_gpu_sample)
+            sup.log.info("gpu_watch_restarted", device=cfg.gpu.device,
+                         running=gpu.watch is not None,
+                         sample_interval=cfg.gpu.sample_interval,
+                         temperature_warn=cfg.gpu.temperature_warn)
+    return on_event
 
 
 # --- main -------------------------------------------------------------------------------------

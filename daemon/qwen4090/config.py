@@ -206,7 +206,8 @@ class LogConfig:
                      choices=("debug", "info", "warning", "error"))
     vllm_level: str = opt("info", "lowest level of vLLM's own lines that are re-logged",
                           choices=("debug", "info", "warning", "error"))
-    tail_lines: int = opt(200, "vLLM output lines kept to explain an exit", min=10, max=10000)
+    tail_lines: int = opt(200, "vLLM output lines kept to explain an exit (from vLLM's next "
+                               "start)", min=10, max=10000)
 
 
 @dataclass(frozen=True)
@@ -226,8 +227,8 @@ class GpuConfig:
                                                                                   "off"))
     device: int = opt(0, "NVML index of the GPU vLLM uses; when unset, the first index in "
                          "vllm.env.CUDA_VISIBLE_DEVICES", min=0, max=63)
-    driver_wait: float = opt(60.0, "seconds to wait at start for the NVIDIA driver (NVML and "
-                                   "/dev/nvidia-uvm) before giving up", min=0, max=3600)
+    driver_wait: float = opt(60.0, "seconds to wait at start-up (only: not on reload) for the "
+                                   "NVIDIA driver (NVML, /dev/nvidia-uvm)", min=0, max=3600)
     memory_gib: float = opt(0.0, "plan for this much GPU memory (GiB); 0 = read it from NVML",
                             min=0, max=4096)
     plan_check: str = opt("refuse", "explicit settings the KV-cache plan says cannot fit: "

@@ -39,6 +39,7 @@ class GpuParts:
         g = cfg.gpu
         if g.enabled == "off":
             return None
+        nvml.bind(cfg.vllm.command)
         if g.enabled == "auto" and (nvml.pynvml is None or _no_driver_installed()):
             return None
 
@@ -52,11 +53,17 @@ class GpuParts:
             if not isinstance(mem, str):
                 self.log.info("gpu_found", name=mem.name, total_gib=round(mem.total / GIB, 2),
                               usable_gib=round(mem.usable / GIB, 2),
-                              used_gib=round(mem.used / GIB, 2))
+                              used_gib=round(mem.used / GIB, 2), binding=nvml.binding())
         return why
 
-    def start_watch(self, cfg: Config, on_fatal: Callable[[str], None]) -> None:
-        if cfg.gpu.enabled == "off" or nvml.init() is not None:
+    def start_watch(self, cfg: Config, on_fatal: Callable[[str], None],
+                    on_sample: Callable[[dict[str, Any]], None] = lambda fields: None) -> None:
+        """Sample the GPU and wait for Xid events; each sample goes to ``on_sample`` (the
+        supervisor's listeners: /status, /metrics), each fatal Xid to ``on_fatal``."""
+        if cfg.gpu.enabled == "off":
+            return
+        nvml.bind(cfg.vllm.command)
+        if nvml.init() is not None:
             return
 
         def on_xid(code: int) -> None:
@@ -70,12 +77,14 @@ class GpuParts:
                                  detail=info.describe())
 
         self.watch = nvml.GpuWatch(cfg.gpu.device, cfg.gpu.sample_interval,
-                                   cfg.gpu.temperature_warn, self.log, on_xid)
+                                   cfg.gpu.temperature_warn, self.log, on_xid,
+                                   on_sample=lambda index, s: on_sample(s.metrics(index)))
         self.watch.start()
 
     def stop_watch(self) -> None:
         if self.watch is not None:
             self.watch.stop()
+            self.watch = None
 
     # --- before each launch -----------------------------------------------------------------
 
@@ -87,23 +96,22 @@ class GpuParts:
         g = cfg.gpu
         self.device = g.device
         if g.enabled == "off":
+            # No GPU checks, but what earlier OOMs taught still applies (the ladder runs on
+            # vLLM's own error texts, with or without NVML).
+            launch, notes = self._learned(cfg, "gpu.enabled = off")
+            res.config = launch if notes else None
             return
-        mem: nvml.MemoryInfo | str
-        if g.memory_gib:
-            mem = nvml.MemoryInfo(f"{g.memory_gib:g} GiB (gpu.memory_gib)",
-                                  int(g.memory_gib * GIB), 0, 0, int(g.memory_gib * GIB))
-        else:
-            mem = nvml.memory(g.device)
+        mem = plan.gpu_memory(cfg)
         if isinstance(mem, str):
             if g.enabled == "required":
                 res.transient = f"GPU not ready: {mem}"
             elif not self._said_no_gpu:
                 self._said_no_gpu = True
                 self.log.info("gpu_checks_skipped", reason=mem)
-            launch, notes = self._learned(cfg, "", 0)
+            launch, notes = self._learned(cfg, mem)
             res.config = launch if notes else None
             return
-        launch, _notes = self._learned(cfg, mem.name, mem.usable)
+        launch, _notes = self._learned(cfg, mem)
         model_dir = Path(cfg.vllm.model).expanduser()
         if not (model_dir / "config.json").is_file():
             res.warnings.append(f"no KV-cache plan: {model_dir} is not a local model directory")
@@ -115,10 +123,9 @@ class GpuParts:
             res.warnings.append(f"no KV-cache plan: {e}")
             res.config = launch
             return
-        p = plan.make_plan(launch, model, plan.GpuMemory(mem.usable, mem.name, "nvml",
-                                                         mem.free))
+        p = plan.make_plan(launch, model, mem)
         res.facts["plan"] = p.as_json()
-        self.log.info("kv_plan", gpu=mem.name, usable_gib=round(mem.usable / GIB, 2),
+        self.log.info("kv_plan", gpu=mem.name, usable_gib=round(mem.total_bytes / GIB, 2),
                       budget_gib=round(p.budget_bytes / GIB, 2),
                       weights_gib=round(p.weights_bytes / GIB, 2),
                       activation_gib=round(p.activation_bytes / GIB, 2),
@@ -138,8 +145,8 @@ class GpuParts:
         self._check_others(p, res, g.device)
         res.config = plan.resolved(launch, p)
 
-    def _learned(self, cfg: Config, gpu_name: str, gpu_bytes: int) -> tuple[Config, list[str]]:
-        self.fp = learned.fingerprint(cfg, gpu_name, gpu_bytes)
+    def _learned(self, cfg: Config, gpu: plan.GpuMemory | str) -> tuple[Config, list[str]]:
+        self.fp = plan.fingerprint(cfg, gpu)
         store = learned.LearnedStore(learned.state_dir(cfg, self.env))
         launch, notes = store.apply(cfg, self.fp)
         for n in notes:
@@ -184,7 +191,7 @@ class GpuParts:
         rung = ladder.next_rung(facts, limits, floors)
         if rung is None:
             return None
-        fp = self.fp or learned.fingerprint(launch, "", 0)
+        fp = self.fp or plan.fingerprint(launch, "no preflight yet")
         store = learned.LearnedStore(learned.state_dir(launch, self.env))
         value: float = int(rung.new) if rung.key != "gpu_memory_utilization" else rung.new
         failed = store.record(rung.key, value, fp,

@@ -87,5 +87,6 @@ def _stdlib_level(level: str) -> int:
 
 
 def get_logger(**bind: Any) -> Any:
-    return structlog.get_logger("qwen4090").bind(**bind) if bind else \
-        structlog.get_logger("qwen4090")
+    # A lazy proxy, also with bound values: each call uses the configuration in effect, so a
+    # reload's setup() reaches loggers made before it (.bind() would freeze the old one).
+    return structlog.get_logger("qwen4090", **bind)

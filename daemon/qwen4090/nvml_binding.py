@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -28,6 +30,24 @@ CANDIDATES = ("pynvml.py", "vllm/third_party/pynvml.py")
 def venv_of(command0: str) -> Path:
     """The venv of vLLM's interpreter (`/opt/qwen4090/venv/bin/python` -> `/opt/qwen4090/venv`)."""
     return Path(command0).parent.parent
+
+
+def runtime_venv(command: Sequence[str]) -> Path:
+    """The venv that ``vllm.command`` runs in: its interpreter's (or console script's) venv.
+
+    A bare name (``vllm``) is looked up on PATH; no symlink is resolved, because a venv's
+    ``bin/python`` links to the system interpreter outside the venv.  Without a command, or
+    when the name is not found, the venv that ``qwen4090 install-runtime`` makes.
+    """
+    if not command:
+        return DEFAULT_VENV
+    exe = command[0]
+    if "/" not in exe:
+        found = shutil.which(exe)
+        if found is None:
+            return DEFAULT_VENV
+        exe = found
+    return venv_of(exe)
 
 
 def runtime_candidates(venv: Path) -> list[Path]:

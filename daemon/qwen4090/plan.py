@@ -469,19 +469,48 @@ def render(plan: Plan, cfg: Config) -> str:
 # --- CLI ----------------------------------------------------------------------------------------
 
 
-def gpu_memory_from(args_gib: float | None, cfg: Config) -> GpuMemory | str:
-    """The GPU's usable memory: --gpu-memory, gpu.memory_gib, else NVML; a str says why not."""
-    if args_gib:
-        return GpuMemory(int(args_gib * GIB), f"{args_gib:g} GiB card", "--gpu-memory")
+def manual_gpu(gib: float, source: str) -> GpuMemory:
+    """A GPU given by its size (gpu.memory_gib, --gpu-memory): named by the size alone, so the
+    same size from either place is the same GPU for the learned settings."""
+    return GpuMemory(int(gib * GIB), f"{gib:g} GiB card", source)
+
+
+def gpu_memory(cfg: Config) -> GpuMemory | str:
+    """The GPU that the plan and the learned settings are for: gpu.memory_gib, else NVML (with
+    the binding of vllm.command's venv); a str says why there is none.
+
+    The daemon's preflight (gpu.py) and `qwen4090 plan` both call this, so both see the same
+    GPU under the same name and :func:`fingerprint` agrees between them.
+    """
     if cfg.gpu.memory_gib:
-        return GpuMemory(int(cfg.gpu.memory_gib * GIB), f"{cfg.gpu.memory_gib:g} GiB card",
-                         "gpu.memory_gib")
+        return manual_gpu(cfg.gpu.memory_gib, "gpu.memory_gib")
     from qwen4090.probes import nvml
 
+    nvml.bind(cfg.vllm.command)
     mem = nvml.memory(cfg.gpu.device)
     if isinstance(mem, str):
-        return f"no GPU memory size: {mem}; pass --gpu-memory GIB (e.g. 24 for an RTX 4090)"
+        return mem
     return GpuMemory(mem.usable, mem.name, "NVML total - reserved", mem.free)
+
+
+def fingerprint(cfg: Config, gpu: GpuMemory | str) -> dict[str, Any]:
+    """What learned settings belong to (the one function for the daemon and `plan`): the
+    model's memory settings and the GPU; no GPU when gpu.enabled = "off" or none is known."""
+    from qwen4090 import learned
+
+    if cfg.gpu.enabled == "off" or isinstance(gpu, str):
+        return learned.fingerprint(cfg, "", 0)
+    return learned.fingerprint(cfg, gpu.name, gpu.total_bytes)
+
+
+def gpu_memory_from(args_gib: float | None, cfg: Config) -> GpuMemory | str:
+    """The GPU's usable memory: --gpu-memory, else :func:`gpu_memory`; a str says why not."""
+    if args_gib:
+        return manual_gpu(args_gib, "--gpu-memory")
+    mem = gpu_memory(cfg)
+    if isinstance(mem, str):
+        return f"no GPU memory size: {mem}; or pass --gpu-memory GIB (e.g. 24 for an RTX 4090)"
+    return mem
 
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
@@ -516,7 +545,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"qwen4090: plan: {gpu}", file=sys.stderr)
         return 1
     store = learned.LearnedStore(learned.state_dir(cfg))
-    cfg, applied = store.apply(cfg, learned.fingerprint(cfg, gpu.name, gpu.total_bytes))
+    cfg, applied = store.apply(cfg, fingerprint(cfg, gpu))
     plan = make_plan(cfg, model, gpu)
     if args.json:
         out = plan.as_json()

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from qwen4090 import states
@@ -127,7 +127,6 @@ class Parts:
         = None
     # Which of these pids still hold GPU memory (None = released or cannot tell).
     gpu_held: Callable[[list[int]], str | None] | None = None
-    release_timeout: float = 30.0  # how long a relaunch waits for gpu_held to clear
     ports: PortsLike = field(default_factory=UncheckedPorts)
 
 
@@ -178,6 +177,7 @@ class Supervisor:
         self.old_pids: list[int] = []
         self.gone_at = now
         self.gpu_faults: deque[str] = deque()  # from the NVML Xid thread: only appends
+        self.gpu_samples: deque[dict[str, Any]] = deque(maxlen=1)  # NVML sample thread: latest
         self.warmup_progress = ""
         self.last_warmup_step = now
         self.hang = HangDetector(cfg.watch.hang_timeout)
@@ -276,14 +276,31 @@ class Supervisor:
             self.begin_kill(now)
 
     def handle_reload(self, now: float) -> None:
+        """SIGHUP: read the config again; a broken one is refused and the old one stays.
+
+        Changed ``[vllm]`` settings restart vLLM (controlled, not counted); every other section
+        applies live: the supervisor reads ``self.cfg`` where it uses a setting, and listeners
+        of the ``reloaded`` event redo what was set up from the config at start-up (cli.py:
+        logging, the GPU watch; httpapi: the status endpoint).
+
+        systemd's reload protocol (sd_notify(3)) is spoken only by a service that was READY:
+        before the first READY=1 the unit is still "activating", so a SIGHUP then sends neither
+        RELOADING=1 nor READY=1; the new config is used from the next launch (``[vllm]``
+        restarts the one loading now) and READY=1 goes out once, after the warmup.  After the
+        first READY=1 a reload is RELOADING=1 + MONOTONIC_USEC and ends with READY=1 — also
+        when the config is refused and while the restart it caused is still under way.
+        """
         if self.done or self.state == S.STOPPING:
             return
-        self.p.notifier.reloading()
+        announce = self.ready_notified
+        if announce:
+            self.p.notifier.reloading()
         try:
             new = self.p.load_config()
         except ConfigError as e:
             self.log.error("reload_refused", error=str(e), keeping=",".join(self.cfg.sources))
-            self.p.notifier.ready(self.status_line(now, note="reload refused: " + str(e)))
+            if announce:
+                self.p.notifier.ready(self.status_line(now, note="reload refused: " + str(e)))
             return
         changed = changed_sections(self.cfg, new)
         old = self.cfg
@@ -298,8 +315,8 @@ class Supervisor:
                              old_argv_len=len(old.vllm.command))
             self.fail(now, ExitVerdict(Cause.RELOAD, "[vllm] settings changed", True),
                       requested=True)
-        # Type=notify reload protocol: READY=1 ends the reload (the restart, if any, goes on).
-        self.p.notifier.ready(self.status_line(now))
+        if announce:  # READY=1 ends the reload (the restart, if any, goes on)
+            self.p.notifier.ready(self.status_line(now))
 
     def harvest(self, now: float) -> None:
         for kind in list(self.tasks):
@@ -580,7 +597,7 @@ class Supervisor:
             code = EX_GPU if v.cause == Cause.GPU_FATAL else EX_CONFIG
             self.give_up(now, code, f"{v.cause.value}: {v.detail}")
             return
-        if v.cause == Cause.OOM and self.p.adjust_after_failure is not None:
+        if v.cause == Cause.OOM:
             self.step_down(v)
         if counted and self.budget.exhausted(now):
             r = self.cfg.restart
@@ -596,10 +613,22 @@ class Supervisor:
                          budget=self.cfg.restart.budget_failures)
 
     def step_down(self, v: ExitVerdict) -> None:
-        """OOM: one rung down the ladder for the next launch (gpu.py remembers it)."""
-        assert self.p.adjust_after_failure is not None
+        """OOM: one rung down the ladder for the next launch (gpu.py remembers it).
+
+        The ladder's own settings ([gpu] oom_ladder and its floors) are the current config's,
+        so a reload that changes them applies to the next OOM; the limits are the launch's.
+        """
+        if not self.cfg.gpu.oom_ladder:
+            self.log.error("oom_not_stepped_down", cause=v.detail,
+                           reason="gpu.oom_ladder is off: the next launch uses the same "
+                                  "settings", hint="set gpu.oom_ladder = true, or lower "
+                                                   "vllm.max_model_len / max_num_seqs")
+            return
+        if self.p.adjust_after_failure is None:
+            return
+        launch = replace(self.launch_cfg, gpu=self.cfg.gpu)
         try:
-            changes = self.p.adjust_after_failure(self.launch_cfg, v, self.exit_tail)
+            changes = self.p.adjust_after_failure(launch, v, self.exit_tail)
         except Exception as e:
             self.log.error("oom_step_down_failed", error=safe_error(e, where=True))
             return
@@ -619,7 +648,7 @@ class Supervisor:
         waited = round(now - self.gone_at, 2)
         if held is None:
             self.log.info("gpu_released", waited=waited)
-        elif waited < self.p.release_timeout:
+        elif waited < self.cfg.gpu.release_timeout:
             return False
         else:
             self.log.warning("gpu_not_released", waited=waited, holders=held,
@@ -631,7 +660,13 @@ class Supervisor:
         """A fatal Xid (called from the NVML thread: only an append)."""
         self.gpu_faults.append(detail)
 
+    def report_gpu_sample(self, fields: dict[str, Any]) -> None:
+        """An NVML sample (called from the sample thread: only an append)."""
+        self.gpu_samples.append(fields)
+
     def handle_gpu_faults(self, now: float) -> None:
+        while self.gpu_samples:  # the loop's thread hands the sample to the listeners
+            self.emit("gpu_sample", self.gpu_samples.popleft())
         while self.gpu_faults and not self.done:
             v = ExitVerdict(Cause.GPU_FATAL, self.gpu_faults.popleft(), retry=False)
             if self.state == S.STOPPING:

@@ -20,6 +20,7 @@ def _why_not() -> str | None:
         from qwen4090.probes import nvml
     except ImportError as e:  # pragma: no cover
         return f"qwen4090 not importable: {e}"
+    nvml.bind([sys.executable])  # the wiring the package uses: vllm.command's venv
     m = nvml.memory(0)
     if isinstance(m, str):
         return f"no NVIDIA GPU: {m}"

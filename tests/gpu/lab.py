@@ -302,6 +302,7 @@ def save(name: str, data: Any) -> Path:
 def nvml_used_mib() -> float | None:
     from qwen4090.probes import nvml
 
+    nvml.bind([sys.executable])
     m = nvml.memory(0)
     return None if isinstance(m, str) else round(m.used / 1024 ** 2)
 

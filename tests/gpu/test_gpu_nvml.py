@@ -47,13 +47,19 @@ def test_memory_sample_driver_and_xid_watch() -> None:
     assert not isinstance(s, str)
     out["sample"] = s.fields()
     log = Log()
-    w = nvml.GpuWatch(0, 0.5, 85, log, on_xid=lambda code: None)
+    samples: list[dict[str, Any]] = []
+    w = nvml.GpuWatch(0, 0.5, 85, log, on_xid=lambda code: None,
+                      on_sample=lambda i, s: samples.append(s.metrics(i)))
     w.start()
     time.sleep(2.0)
     w.stop()
     out["watch_events"] = [(lvl, e, kw) for lvl, e, kw in log.events]
+    out["watch_samples"] = samples[:3]
     names = [e for _, e, _ in log.events]
     assert "gpu_sample" in names
+    # what the supervisor's listeners get (/status, /metrics): every sample, real numbers
+    assert len(samples) >= 2 and samples[0]["memory_total_bytes"] == m.total
+    assert samples[0]["temperature_celsius"] is not None
     assert "xid_watch_started" in names or "xid_events_unavailable" in names
     lab.save("nvml", out)
 
@@ -102,3 +108,26 @@ def test_plan_from_nvml(tmp_path: Path) -> None:
                           capture_output=True, text=True, env=lab.py_env()).stdout
     lab.save("plan_nvml", {"json": plan, "text": text})
     assert plan["kv_bytes_per_token"] == 163_840 and plan["fits"]
+
+
+def test_plan_reads_the_gpu_through_vllms_venv_when_python_has_no_pynvml(tmp_path: Path
+                                                                         ) -> None:
+    """The installed layout (issue 9.2): Debian's python3 cannot import pynvml; the package
+    finds it in the venv that vllm.command runs in (here the kit's interpreter)."""
+    from qwen4090 import nvml_binding
+
+    venv = nvml_binding.runtime_venv([sys.executable])
+    if not nvml_binding.runtime_candidates(venv):
+        pytest.skip(f"{venv} has no pynvml.py in site-packages (not a venv layout)")
+    conf = lab.write_config(tmp_path / "q.toml")
+    shadow = tmp_path / "no-pynvml"
+    shadow.mkdir()
+    (shadow / "pynvml.py").write_text("raise ImportError('as on Debian python3')\n")
+    env = lab.py_env()
+    env["PYTHONPATH"] = f"{shadow}:{env.get('PYTHONPATH', '')}".rstrip(":")
+    r = subprocess.run([sys.executable, "-m", "qwen4090", "plan", "-c", str(conf), "--json"],
+                       capture_output=True, text=True, env=env)
+    lab.save("plan_venv_binding", {"venv": str(venv), "rc": r.returncode,
+                                   "stdout": r.stdout[-2000:], "stderr": r.stderr[-2000:]})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["gpu_memory_source"] == "NVML total - reserved"

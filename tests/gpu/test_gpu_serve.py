@@ -4,6 +4,7 @@ vLLM's.  Run one test per device call (scripts/gpu/validate.sh raw|supervised)."
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 from pathlib import Path
@@ -129,6 +130,12 @@ def test_supervised_ready_ttft_and_hang_healed(tmp_path: Path) -> None:
                                         "state_changed", "kv_plan")]}
         res["ttft_after_heal"] = lab.ttft_series(seed=3)
         res["nvml_samples"] = [ev for _, ev in lab.events(sup, "gpu_sample")][:12]
+        # the samples reach the supervisor's own endpoint (issue 9.3): /status and /metrics
+        _, status_body = lab.get("/status", port=lab.STATUS_PORT)
+        res["status_gpu"] = json.loads(status_body).get("gpu")
+        _, metrics_body = lab.get("/metrics", port=lab.STATUS_PORT)
+        res["status_gpu_metrics"] = [line for line in metrics_body.decode().splitlines()
+                                     if line.startswith("qwen4090_gpu_")]
         res["xid_watch"] = [ev.get("event") for _, ev in lab.events(sup)
                             if str(ev.get("event", "")).startswith("xid_")]
     finally:
@@ -140,3 +147,7 @@ def test_supervised_ready_ttft_and_hang_healed(tmp_path: Path) -> None:
         lab.save("supervised", res)
     assert res["hang"]["detected_after_s"] <= 15 + 2 * 2 + 3
     assert rc == 0
+    if not lab.DRYRUN:  # the CPU dry run has no GPU to sample
+        assert res["status_gpu"] and res["status_gpu"]["memory_used_bytes"] > 0
+        assert any(m.startswith("qwen4090_gpu_memory_used_bytes{") for m in
+                   res["status_gpu_metrics"])

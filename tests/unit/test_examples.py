@@ -1,4 +1,5 @@
-"""packaging/examples refer only to metrics that qwen4090 exports."""
+"""packaging/examples refer only to metrics that qwen4090 exports, the GPU's included: those
+come from a real NVML sample (probes/nvml.py over a fake pynvml), as the watch emits it."""
 
 from __future__ import annotations
 
@@ -6,14 +7,29 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+from test_gpu_joints import load_fake
+
 from qwen4090.httpapi import VLLM_COUNTERS, VLLM_GAUGES, _vllm_name, metric_families
+from qwen4090.probes import nvml
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "packaging" / "examples"
+# A selector by name pattern, as the dashboard's GPU panels use: {__name__=~"qwen4090_gpu_..."}
+NAME_PATTERN = re.compile(r'__name__=~\\?"([^"\\]+)\\?"')
+
+
+@pytest.fixture(autouse=True)
+def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nvml, "pynvml", load_fake())
+    monkeypatch.setattr(nvml, "_initialized", False)
 
 
 def exported() -> set[str]:
+    sample = nvml.sample(0)
+    assert not isinstance(sample, str), sample
     doc = {"state": "ready", "ready": True, "time_to_ready_seconds": 1.0,
-           "warmup": {"ok": True, "seconds": 1.0, "rows": []}, "supervisor": {}}
+           "warmup": {"ok": True, "seconds": 1.0, "rows": []}, "supervisor": {},
+           "gpu": sample.metrics(0)}
     names = set()
     for fam in metric_families(doc):
         names.add(fam.name)
@@ -31,6 +47,10 @@ def test_dashboard_and_scrape_example_use_exported_names() -> None:
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     exprs += [v["query"]["query"] for v in dash["templating"]["list"]]
     exprs.append((EXAMPLES / "prometheus-scrape.yml").read_text())
-    used = {m for e in exprs for m in re.findall(r"\bqwen4090_[a-z_]+\b", e)}
-    used -= {m for m in used if m.startswith("qwen4090_gpu_")}  # fields of the GPU sampler
-    assert used and used <= exported(), used - exported()
+    names = exported()
+    patterns = {p for e in exprs for p in NAME_PATTERN.findall(e)}
+    unmatched = {p for p in patterns if not any(re.fullmatch(p, n) for n in names)}
+    assert patterns and not unmatched, (unmatched, sorted(names))
+    plain = [NAME_PATTERN.sub("", e) for e in exprs]
+    used = {m for e in plain for m in re.findall(r"\bqwen4090_[a-z_]+\b", e)}
+    assert used and used <= names, used - names

@@ -183,11 +183,10 @@ def test_fatal_xid_while_restarting_ends_in_failed() -> None:
 
 
 def test_relaunch_waits_for_the_old_gpu_memory_bounded() -> None:
-    h = Harness()
+    h = Harness(raw={"gpu": {"release_timeout": 10.0}})
     held = {"until": 0.0}
     h.sup.p.gpu_held = lambda pids: "pid 1 (old) 20.0 GiB" if h.clock.t < held["until"] \
         else None
-    h.sup.p.release_timeout = 10.0
     h.run_until(State.READY)
     held["until"] = h.clock.t + 3.0
     h.child.exit(0)
@@ -200,6 +199,6 @@ def test_relaunch_waits_for_the_old_gpu_memory_bounded() -> None:
     h.child.exit(0)
     t0 = h.clock.t
     h.run_until(State.STARTING)
-    assert h.clock.t - t0 >= 10.0
+    assert 10.0 <= h.clock.t - t0 < 30.0  # gpu.release_timeout, not the default 30 s
     ev = [kw for _, e, kw in h.log.events if e == "gpu_not_released"]
     assert ev and "pid 1 (old)" in ev[0]["holders"]

@@ -1,8 +1,13 @@
 """NVML: the GPU's memory, its processes, samples of its health, and Xid events.
 
-pynvml (the nvidia-ml-py package) is optional: without it, or without a driver, every function
-returns a string saying why instead of raising, so a machine without a GPU runs the supervisor
-unchanged.  Nothing here decides anything: results go to the plan, preflight and the log.
+This module is the one place that provides the NVML binding (``pynvml``) to the rest of the
+package (gpu.py, plan.py): at import, whatever nvml_binding finds on the import path or in the
+default runtime venv; :func:`bind` adds the venv that the config's ``vllm.command`` runs in
+(vLLM's venv carries nvidia-ml-py).  Debian's python3 has no binding of its own, so without
+this the package would see no GPU at all.  Without a binding, or without a driver, every
+function returns a string saying why instead of raising, so a machine without a GPU runs the
+supervisor unchanged.  Nothing here decides anything: results go to the plan, preflight, the
+log and the supervisor's listeners.
 """
 
 from __future__ import annotations
@@ -11,14 +16,19 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-try:  # pragma: no cover - depends on the machine
-    import pynvml
-except ImportError:  # pragma: no cover
-    pynvml = None
+from qwen4090 import nvml_binding
+
+# The binding: nvidia-ml-py's pynvml module (or vLLM's vendored copy of it); None = none found.
+pynvml: Any = nvml_binding.load_pynvml()
+_no_binding = (f"no NVML binding: pynvml is not importable and {nvml_binding.DEFAULT_VENV} has "
+               "none")
+INSTALL_HINT = ("run `qwen4090 install-runtime` (vLLM's venv carries nvidia-ml-py) or point "
+                "vllm.command at a venv that has vLLM; python3-pynvml (Debian contrib) also "
+                "works")
 
 GIB = 1024 ** 3
 UVM_DEVICE = "/dev/nvidia-uvm"
@@ -31,11 +41,33 @@ THROTTLE_NAMES = {
 }  # idle (0x1), application clocks (0x2) and display (0x100) are not throttling
 
 
+def bind(command: Sequence[str]) -> str | None:
+    """Find the binding for this config, once: importable, else in the venv of vLLM's
+    interpreter (``vllm.command[0]``).  None when there is one, else why not (with the fix)."""
+    global pynvml, _no_binding
+    if pynvml is not None:
+        return None
+    venv = nvml_binding.runtime_venv(command)
+    found = nvml_binding.load_pynvml(venv)
+    if found is None:
+        _no_binding = f"no NVML binding: pynvml is not importable and {venv} has none"
+        return f"{_no_binding}; {INSTALL_HINT}"
+    pynvml = found
+    return None
+
+
+def binding() -> str:
+    """Where the binding was loaded from (for the log), or why there is none."""
+    if pynvml is None:
+        return _no_binding
+    return str(getattr(pynvml, "__file__", None) or getattr(pynvml, "__name__", "pynvml"))
+
+
 def init() -> str | None:
     """Initialise NVML once per process; None when it works, else why not."""
     global _initialized
     if pynvml is None:
-        return "pynvml is not installed (pip install nvidia-ml-py)"
+        return f"{_no_binding}; {INSTALL_HINT}"
     with _lock:
         if _initialized:
             return None
@@ -167,6 +199,20 @@ class Sample:
                 "throttle": ",".join(self.throttle) or "none",
                 "ecc_corrected": self.ecc_corrected, "ecc_uncorrected": self.ecc_uncorrected}
 
+    def metrics(self, index: int) -> dict[str, Any]:
+        """The sample as the supervisor's ``gpu_sample`` event: /status shows these fields and
+        /metrics exports each number as ``qwen4090_gpu_<key>{gpu="<index>"}`` (the names the
+        Grafana dashboard in packaging/examples queries); None = NVML could not say."""
+        return {"index": index,
+                "memory_used_bytes": self.memory_used, "memory_total_bytes": self.memory_total,
+                "temperature_celsius": self.temperature_c,
+                "power_watts": self.power_w, "power_limit_watts": self.power_limit_w,
+                "utilization_percent": self.util_gpu,
+                "memory_utilization_percent": self.util_memory,
+                "ecc_corrected_errors": self.ecc_corrected,
+                "ecc_uncorrected_errors": self.ecc_uncorrected,
+                "throttle": ",".join(self.throttle) or "none"}
+
 
 def sample(index: int = 0) -> Sample | str:
     why = init()
@@ -247,16 +293,19 @@ class WatchState:
 
 
 class GpuWatch:
-    """Samples NVML every ``interval`` s (logging changes, not every sample) and waits on NVML
-    events for Xid critical errors, calling ``on_xid(code)`` for each."""
+    """Samples NVML every ``interval`` s (logging changes, not every sample; handing every
+    sample to ``on_sample(index, sample)``) and waits on NVML events for Xid critical errors,
+    calling ``on_xid(code)`` for each.  Both callbacks run on the watch's threads."""
 
     def __init__(self, index: int, interval: float, temperature_warn: int, log: Any,
-                 on_xid: Callable[[int], None]) -> None:
+                 on_xid: Callable[[int], None],
+                 on_sample: Callable[[int, Sample], None] = lambda index, s: None) -> None:
         self.index = index
         self.interval = interval
         self.temperature_warn = temperature_warn
         self.log = log
         self.on_xid = on_xid
+        self.on_sample = on_sample
         self.state = WatchState()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -311,6 +360,10 @@ class GpuWatch:
             (self.log.warning if bad else self.log.info)(
                 "gpu_sample", why=",".join(reasons), **s.fields())
             st.mem_gib, st.throttle, st.ecc, st.hot = mem, s.throttle, ecc, hot
+        try:
+            self.on_sample(self.index, s)
+        except Exception as e:  # the watch must outlive a broken listener
+            self.log.error("gpu_sample_listener_failed", error=repr(e))
         return s
 
     def _xid_loop(self) -> None:

@@ -1,0 +1,302 @@
+"""The GPU joints, each crossed end to end (issue 9): the NVML binding found in vLLM's venv by
+`qwen4090 plan` and the daemon's preflight; GPU samples from the watch to /status and /metrics;
+the OOM ladder with gpu.enabled = "off" and oom_ladder = false; plan and daemon agreeing on the
+GPU a learned setting belongs to."""
+
+from __future__ import annotations
+
+import http.client
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from test_supervisor import FakeChild, Harness, Log
+
+from qwen4090 import cli, gpu, httpapi
+from qwen4090.config import Config
+from qwen4090.policy import Cause
+from qwen4090.preflight import PreflightResult
+from qwen4090.probes import nvml
+from qwen4090.states import State
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE = Path(__file__).with_name("fake_pynvml.py")
+FAKE_NAME = "NVIDIA H200 (fake pynvml)"
+QWEN3_14B = {
+    "architectures": ["Qwen3ForCausalLM"], "head_dim": 128, "hidden_size": 5120,
+    "intermediate_size": 17408, "max_position_embeddings": 40960, "num_attention_heads": 40,
+    "num_hidden_layers": 40, "num_key_value_heads": 8, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "vocab_size": 151936,
+}
+# vLLM 0.26's own text for an OOM while serving (EngineCore, H200 validation run).
+CUDA_OOM = ("(EngineCore pid=4242) ERROR 11-30 17:16:14 [core.py:1010] torch.OutOfMemoryError: "
+            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+            "23.55 GiB of which 1.02 GiB is free.")
+FINAL = "RuntimeError: Engine core initialization failed. See root cause above."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def fake_venv(root: Path) -> Path:
+    """A runtime venv as `install-runtime` leaves it: bin/python, and pynvml in site-packages.
+    Returns its interpreter, for vllm.command."""
+    site = root / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    shutil.copy(FAKE, site / "pynvml.py")
+    (root / "bin").mkdir()
+    py = root / "bin" / "python"
+    py.write_text("#!/bin/sh\nexit 1\n")
+    py.chmod(0o755)
+    return py
+
+
+def load_fake() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("pynvml", FAKE)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def debian_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supervisor's own Python has no pynvml (Debian's python3): `import pynvml` fails."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setattr(nvml, "pynvml", None)
+    monkeypatch.setattr(nvml, "_initialized", False)
+
+
+@pytest.fixture
+def uvm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dev = tmp_path / "nvidia-uvm"
+    dev.write_text("")
+    monkeypatch.setattr(nvml, "UVM_DEVICE", str(dev))
+
+
+def write_config(tmp: Path, command0: Path | str, vllm: str = "", gpu_keys: str = "") -> Path:
+    model = tmp / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(QWEN3_14B))
+    path = tmp / "qwen4090.toml"
+    path.write_text(f"""[vllm]
+command = ["{command0}", "-m", "vllm.entrypoints.openai.api_server"]
+model = "{model}"
+quantization = "fp8"
+max_model_len = 8192
+max_num_seqs = 32
+gpu_memory_utilization = 0.5
+port = {free_port()}
+{vllm}
+[gpu]
+state_directory = "{tmp / 'state'}"
+{gpu_keys}
+[status]
+enabled = false
+""")
+    return path
+
+
+# --- 9.2: NVML from the package ---------------------------------------------------------------
+
+
+def test_plan_finds_nvml_in_vllms_venv_without_its_own_pynvml(tmp_path: Path) -> None:
+    """A fresh `qwen4090 plan` process whose Python cannot import pynvml, as on Debian."""
+    py = fake_venv(tmp_path / "venv")
+    conf = write_config(tmp_path, py)
+    shadow = tmp_path / "no-pynvml"
+    shadow.mkdir()
+    (shadow / "pynvml.py").write_text("raise ImportError('not on Debian python3')\n")
+    env = {**os.environ, "PYTHONPATH": f"{shadow}:{REPO / 'daemon'}"}
+    r = subprocess.run([sys.executable, "-m", "qwen4090", "plan", "-c", str(conf), "--json"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["gpu"] == FAKE_NAME and out["gpu_memory_source"] == "NVML total - reserved"
+    assert out["gpu_memory_bytes"] == (143771 - 615) * 1024 ** 2
+
+
+def test_without_any_binding_plan_says_what_to_run(tmp_path: Path, debian_python: None,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty-venv" / "bin" / "python"
+    conf = write_config(tmp_path, empty)
+    assert cli.main(["plan", "-c", str(conf)]) == 1
+    err = capsys.readouterr().err
+    assert "qwen4090 install-runtime" in err and str(tmp_path / "empty-venv") in err
+    assert "pip install" not in err
+
+
+def test_daemon_preflight_and_driver_wait_use_the_venvs_binding(
+        tmp_path: Path, debian_python: None, uvm: None) -> None:
+    py = fake_venv(tmp_path / "venv")
+    from qwen4090.config import load
+
+    cfg = load(write_config(tmp_path, py, gpu_keys='enabled = "required"'))
+    log = Log()
+    parts = gpu.GpuParts(log, env={})
+    assert parts.wait_for_driver(cfg, lambda s: True) is None
+    found = [kw for _, e, kw in log.events if e == "gpu_found"]
+    assert found and found[0]["name"] == FAKE_NAME
+    assert found[0]["binding"] == str(tmp_path / "venv/lib/python3.11/site-packages/pynvml.py")
+    res = parts.preflight(cfg)  # what cli.cmd_run hands the supervisor
+    assert res.ok, (res.fatal, res.transient)
+    assert res.facts["plan"]["gpu"] == FAKE_NAME  # type: ignore[index]
+    assert [kw["gpu"] for _, e, kw in log.events if e == "kv_plan"] == [FAKE_NAME]
+
+
+# --- 9.3: GPU samples reach /status and /metrics -------------------------------------------
+
+
+def get(port: int, path: str) -> tuple[int, bytes]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        c.request("GET", path)
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+def gpu_families(text: str) -> dict[str, float]:
+    return {s.name: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name.startswith("qwen4090_gpu_") and
+            s.labels.get("gpu") == "0"}
+
+
+@pytest.fixture
+def served(tmp_path: Path, debian_python: None) -> Iterator[tuple[Harness, int, gpu.GpuParts]]:
+    py = fake_venv(tmp_path / "venv")
+    port = free_port()
+    h = Harness(raw={"vllm": {"command": [str(py)]},
+                     "status": {"enabled": True, "host": "127.0.0.1", "port": port},
+                     "gpu": {"sample_interval": 3600.0}})
+    h.run_until(State.READY)
+    api = httpapi.start(h.sup, h.log)
+    parts = gpu.GpuParts(h.log, env={})
+    try:
+        yield h, port, parts
+    finally:
+        parts.stop_watch()
+        api.stop()
+
+
+def step_until_gpu(h: Harness, port: int, want: Any = None) -> dict[str, Any]:
+    deadline = time.monotonic() + 10
+    while True:
+        h.step(0.1)
+        doc = json.loads(get(port, "/status")[1])
+        if doc["gpu"] is not None and (want is None or want(doc["gpu"])):
+            return dict(doc["gpu"])
+        assert time.monotonic() < deadline, f"no GPU sample in /status: {doc['gpu']}"
+        time.sleep(0.02)  # the watch's thread takes its first sample meanwhile
+
+
+def test_watch_samples_reach_status_and_metrics(served: tuple[Harness, int, gpu.GpuParts]
+                                                ) -> None:
+    h, port, parts = served
+    parts.start_watch(h.sup.cfg, h.sup.report_gpu_fault, h.sup.report_gpu_sample)
+    doc = step_until_gpu(h, port)
+    assert doc["index"] == 0 and doc["memory_used_bytes"] == 20480 * 1024 ** 2
+    assert doc["temperature_celsius"] == 41 and doc["throttle"] == "none"
+    status, body = get(port, "/metrics")
+    assert status == 200
+    m = gpu_families(body.decode())
+    assert m["qwen4090_gpu_memory_used_bytes"] == 20480 * 1024 ** 2
+    assert m["qwen4090_gpu_memory_total_bytes"] == 143771 * 1024 ** 2
+    assert m["qwen4090_gpu_temperature_celsius"] == 41
+    assert m["qwen4090_gpu_power_watts"] == 123.0 and m["qwen4090_gpu_power_limit_watts"] == 700
+    assert m["qwen4090_gpu_utilization_percent"] == 37
+    # the next sample replaces it: a hot GPU shows at once
+    assert parts.watch is not None
+    nvml.pynvml.STATE["temperature"] = 90
+    parts.watch.sample_once()
+    assert step_until_gpu(h, port, lambda g: g["temperature_celsius"] == 90)
+    assert gpu_families(get(port, "/metrics")[1].decode())[
+        "qwen4090_gpu_temperature_celsius"] == 90
+    nvml.pynvml.STATE["temperature"] = 41
+
+
+# --- 9.4: the OOM ladder ----------------------------------------------------------------------
+
+
+def oom_harness(tmp_path: Path, **gpu_keys: Any) -> tuple[Harness, list[Config]]:
+    """The supervisor with the real GPU parts (preflight + ladder) and a fake vLLM."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(QWEN3_14B))
+    h = Harness(raw={"vllm": {"command": [sys.executable], "model": str(model),
+                              "max_num_seqs": 32, "port": free_port()},
+                     "gpu": {"state_directory": str(tmp_path / "state"), **gpu_keys}})
+    parts = gpu.GpuParts(h.log, env={})
+    launches: list[Config] = []
+
+    def spawn(cfg: Config) -> FakeChild:
+        launches.append(cfg)
+        return h.spawn(cfg)
+
+    h.sup.p.preflight = parts.preflight
+    h.sup.p.adjust_after_failure = parts.adjust_after_failure
+    h.sup.p.spawn = spawn
+    return h, launches
+
+
+def test_gpu_off_the_ladders_setting_is_used_by_the_next_launch(tmp_path: Path) -> None:
+    h, launches = oom_harness(tmp_path, enabled="off")
+    h.run_until(State.LOADING)
+    h.child.exit(1, ["noise", CUDA_OOM, FINAL])
+    h.step(0.1)
+    assert h.sup.failure is not None and h.sup.failure.cause is Cause.OOM
+    h.run_until(State.READY)
+    assert [c.vllm.max_num_seqs for c in launches] == [32, 16]
+    assert "oom_step_down" in h.log.names() and "learned_applied" in h.log.names()
+
+
+def test_oom_with_the_ladder_off_says_so(tmp_path: Path) -> None:
+    h, launches = oom_harness(tmp_path, enabled="off", oom_ladder=False)
+    h.run_until(State.LOADING)
+    h.child.exit(1, [CUDA_OOM, FINAL])
+    h.run_until(State.READY)
+    assert [c.vllm.max_num_seqs for c in launches] == [32, 32]
+    assert "oom_ladder_exhausted" not in h.log.names()
+    ev = [kw for _, e, kw in h.log.events if e == "oom_not_stepped_down"]
+    assert ev and "oom_ladder is off" in ev[0]["reason"]
+
+
+def test_plan_shows_what_the_daemon_learned_with_memory_gib_set(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from qwen4090.config import load
+
+    conf = write_config(tmp_path, sys.executable, gpu_keys="memory_gib = 140")
+    cfg = load(conf)
+    parts = gpu.GpuParts(Log(), env={})  # the daemon: preflight, then an OOM
+    res = PreflightResult()
+    parts.check_gpu(cfg, res)
+    assert res.ok and res.config is not None
+    from qwen4090.policy import classify_exit
+
+    verdict = classify_exit(1, [CUDA_OOM, FINAL])
+    assert parts.adjust_after_failure(res.config, verdict, [CUDA_OOM, FINAL]) == [
+        "max_num_seqs 32 -> 16 (out of memory: fewer sequences at once)"]
+    again = PreflightResult()
+    parts.check_gpu(cfg, again)  # the daemon's next launch
+    assert again.config is not None and again.config.vllm.max_num_seqs == 16
+    assert cli.main(["plan", "-c", str(conf)]) == 0  # the user asks what the next launch does
+    out = capsys.readouterr().out
+    assert "learned   max_num_seqs 32 -> 16" in out, out
+    assert "ignored" not in out
+    assert cli.main(["plan", "-c", str(conf), "--gpu-memory", "140"]) == 0  # same card
+    assert "learned   max_num_seqs 32 -> 16" in capsys.readouterr().out

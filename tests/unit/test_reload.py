@@ -1,0 +1,217 @@
+"""SIGHUP: READY=1 exactly once per start and the reload protocol only once ready (issue 8.1);
+what a reload changes live (issue 9.5).  Fake clock and fake parts, as in test_supervisor."""
+
+from __future__ import annotations
+
+import signal
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+from test_gpu_joints import CUDA_OOM, FINAL, debian_python, fake_venv  # noqa: F401
+from test_supervisor import Harness
+
+from qwen4090 import cli, gpu, logs
+from qwen4090.config import ConfigError, from_dict
+from qwen4090.policy import Cause
+from qwen4090.states import State
+
+BASE = {"restart": {"backoff_initial": 1.0, "backoff_max": 4.0, "jitter": 0.0,
+                    "budget_failures": 3, "budget_window": 600.0},
+        "watch": {"poll_interval": 1.0, "hang_timeout": 10.0, "canary_interval": 5.0,
+                  "canary_timeout": 2.0, "load_timeout": 100.0, "unhealthy_timeout": 3.0},
+        "stop": {"drain_timeout": 5.0, "term_timeout": 3.0}}
+
+
+def cfg_with(**sections: dict[str, Any]) -> Any:
+    raw = {k: dict(v) for k, v in BASE.items()}
+    for k, v in sections.items():
+        raw.setdefault(k, {}).update(v)
+    return from_dict(raw)
+
+
+def protocol(h: Harness) -> list[str]:
+    return [m for m in h.notifier.sent if m in ("READY=1", "RELOADING=1")]
+
+
+def hup(h: Harness, to: Any) -> None:
+    h.reload_to = to
+    h.sup.deliver(signal.SIGHUP)
+    h.step(0.1)
+
+
+# --- 8.1: before the first READY=1 ----------------------------------------------------------
+
+
+def test_sighup_while_loading_is_no_reload_and_ready_comes_once_after_warmup() -> None:
+    h = Harness()
+    h.run_until(State.LOADING)
+    child = h.child
+    hup(h, cfg_with(watch={"hang_timeout": 7.0}))
+    assert protocol(h) == []  # still activating: no RELOADING=1, no READY=1
+    assert h.sup.cfg.watch.hang_timeout == 7.0 and h.sup.state == State.LOADING
+    assert h.child is child and "reloaded" in h.log.names()
+    h.run_until(State.READY)
+    assert protocol(h) == ["READY=1"]
+    names = h.log.names()
+    assert names.index("warmup_finished") < names.index("ready_notified")
+
+
+class Held:
+    """Runs tasks at once, except while ``hold`` is set: then they wait for ``release()``."""
+
+    def __init__(self) -> None:
+        self.hold = False
+        self.waiting: list[tuple[Any, Future[Any]]] = []
+
+    def submit(self, fn: Any, /, *args: Any) -> Future[Any]:
+        f: Future[Any] = Future()
+        if self.hold:
+            self.waiting.append((lambda: fn(*args), f))
+        else:
+            f.set_result(fn(*args))
+        return f
+
+    def release(self) -> None:
+        self.hold = False
+        for fn, f in self.waiting:
+            f.set_result(fn())
+        self.waiting.clear()
+
+
+def test_sighup_while_warming_does_not_end_the_start_early() -> None:
+    h = Harness()
+    ex = Held()
+    h.sup.p.executor = ex
+    h.run_until(State.LOADING)
+    h.step(0.1)  # /health answers
+    ex.hold = True
+    h.step(0.1)  # -> WARMING, the warmup is running
+    assert h.sup.state == State.WARMING
+    hup(h, cfg_with(watch={"canary_interval": 9.0}))
+    assert protocol(h) == [] and h.sup.state == State.WARMING
+    ex.release()
+    h.run_until(State.READY)
+    assert protocol(h) == ["READY=1"] and h.sup.cfg.watch.canary_interval == 9.0
+
+
+def test_refused_reload_while_loading_logs_and_sends_nothing() -> None:
+    h = Harness()
+    h.run_until(State.LOADING)
+    hup(h, ConfigError("/etc/q.toml", "vllm.port", "found 0, expected an integer from 1"))
+    assert protocol(h) == [] and "reload_refused" in h.log.names()
+    h.run_until(State.READY)
+    assert protocol(h) == ["READY=1"]
+
+
+def test_vllm_change_while_loading_restarts_and_ready_once_for_the_new_one() -> None:
+    h = Harness()
+    h.run_until(State.LOADING)
+    first = h.child
+    hup(h, cfg_with(vllm={"max_num_seqs": 4}))
+    assert h.sup.state == State.RESTARTING and h.sup.failure is not None
+    assert h.sup.failure.cause is Cause.RELOAD and protocol(h) == []
+    h.run_until(State.READY)
+    assert h.child is not first and h.sup.launch_cfg.vllm.max_num_seqs == 4
+    assert protocol(h) == ["READY=1"]
+
+
+# --- 8.1: after the first READY=1 -----------------------------------------------------------
+
+
+def test_reload_when_ready_is_reloading_then_ready() -> None:
+    h = Harness()
+    h.run_until(State.READY)
+    hup(h, cfg_with(watch={"hang_timeout": 7.0}))
+    assert protocol(h) == ["READY=1", "RELOADING=1", "READY=1"]
+    hup(h, ConfigError("/etc/q.toml", "vllm.port", "found 0"))  # refused: still ends the reload
+    assert protocol(h)[-2:] == ["RELOADING=1", "READY=1"]
+    assert h.notifier.sent[-1].startswith("STATUS=ready") and "reload refused" in \
+        h.notifier.sent[-1]
+
+
+def test_reload_that_restarts_vllm_ends_with_ready_and_no_second_start_ready() -> None:
+    h = Harness()
+    h.run_until(State.READY)
+    hup(h, cfg_with(vllm={"max_num_seqs": 4}))
+    assert h.sup.state == State.RESTARTING  # the restart is under way, the reload is done
+    assert protocol(h) == ["READY=1", "RELOADING=1", "READY=1"]
+    h.run_until(State.READY)
+    assert protocol(h) == ["READY=1", "RELOADING=1", "READY=1"]  # none for the new warmup
+
+
+# --- 9.5: applied live ---------------------------------------------------------------------
+
+
+def test_release_timeout_from_a_reload_applies_to_the_next_relaunch() -> None:
+    h = Harness()
+    h.sup.p.gpu_held = lambda pids: "pid 1 (old) 20.0 GiB"  # never released
+    h.run_until(State.READY)
+    hup(h, cfg_with(gpu={"release_timeout": 2.0}))
+    h.child.exit(0)
+    t0 = h.clock.t
+    assert h.step(0.1) == State.RESTARTING
+    h.run_until(State.STARTING)
+    assert h.clock.t - t0 < 5.0  # 2 s (+ backoff 1 s), not the 30 s it started with
+    assert "gpu_not_released" in h.log.names()
+
+
+def test_ladder_switched_off_by_a_reload_applies_to_the_next_oom() -> None:
+    h = Harness()
+    calls: list[Any] = []
+    h.sup.p.adjust_after_failure = lambda c, v, t: calls.append(c) or ["x 2 -> 1"]
+    h.run_until(State.READY)
+    hup(h, cfg_with(gpu={"ladder_min_util": 0.7}))
+    h.child.exit(1, [CUDA_OOM, FINAL])
+    assert h.step(0.1) == State.RESTARTING
+    h.run_until(State.READY)
+    assert calls and calls[0].gpu.ladder_min_util == 0.7  # the floors in effect now
+    hup(h, cfg_with(gpu={"oom_ladder": False}))
+    h.child.exit(1, [CUDA_OOM, FINAL])
+    assert h.step(0.1) == State.RESTARTING
+    h.run_until(State.READY)
+    assert len(calls) == 1 and "oom_not_stepped_down" in h.log.names()
+
+
+def test_live_settings_reconfigure_logging(capsys: pytest.CaptureFixture[str]) -> None:
+    h = Harness(raw={"log": {"level": "info", "format": "keyvalue"}})
+    logs.setup("keyvalue", "info")
+    try:
+        log = logs.get_logger(source="vllm")  # made before the reload, like cli's loggers
+        h.sup.p.listeners.append(cli.live_settings(h.sup, gpu.GpuParts(h.log, env={}),
+                                                   lambda d: None))
+        h.run_until(State.READY)
+        log.debug("before_reload")
+        hup(h, cfg_with(log={"level": "debug", "format": "json"}))
+        log.debug("after_reload")
+        err = capsys.readouterr().err
+        assert "before_reload" not in err
+        assert '<7>{"source":"vllm","event":"after_reload"' in err
+        ev = [kw for _, e, kw in h.log.events if e == "logging_reconfigured"]
+        assert ev == [{"format": "json", "log_level": "debug"}]
+    finally:
+        structlog.reset_defaults()
+
+
+@pytest.mark.usefixtures("debian_python")
+def test_live_settings_restart_the_gpu_watch(tmp_path: Path) -> None:
+    py = fake_venv(tmp_path / "venv")
+    h = Harness(raw={"vllm": {"command": [str(py)]}, "gpu": {"sample_interval": 3600.0}})
+    parts = gpu.GpuParts(h.log, env={})
+    parts.start_watch(h.sup.cfg, h.sup.report_gpu_fault, h.sup.report_gpu_sample)
+    h.sup.p.listeners.append(cli.live_settings(h.sup, parts, h.sup.report_gpu_fault))
+    try:
+        first = parts.watch
+        assert first is not None and first.interval == 3600.0
+        h.run_until(State.READY)
+        hup(h, cfg_with(vllm={"command": [str(py)]},
+                        gpu={"sample_interval": 1800.0, "temperature_warn": 60}))
+        assert parts.watch is not None and parts.watch is not first
+        assert (parts.watch.interval, parts.watch.temperature_warn) == (1800.0, 60)
+        assert first._stop.is_set()  # the old watch's threads end
+        hup(h, cfg_with(vllm={"command": [str(py)]}, gpu={"enabled": "off"}))
+        assert parts.watch is None
+    finally:
+        parts.stop_watch()
