@@ -17,12 +17,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from qwen4090 import oomscore
 from qwen4090.config import AUTO, Config, VllmConfig, read_secret
 from qwen4090.notify import child_environment
+from qwen4090.policy import oom_evidence
 
 # Environment we always give vLLM unless the config's [vllm.env] says otherwise.
 BASE_ENV = {
@@ -107,6 +109,7 @@ class VllmChild:
         # hook (H4 pkg, issue 9 item 8): vLLM more killable than the supervisor; a failure
         # leaves the inherited value (the OOM kill then picks by size, vLLM still first).
         oomscore.raise_for(self.pid)
+        self.oom_kills_at_start = oom_kill_count()
         self._readers = [
             threading.Thread(target=self._pump, args=(self.proc.stdout, "stdout"),
                              name=f"vllm-stdout-{self.pid}", daemon=True),
@@ -139,9 +142,49 @@ class VllmChild:
             return list(self.tail)
 
     def flush_output(self, timeout: float = 2.0) -> None:
-        """Wait (bounded) until the readers have seen the end of vLLM's output."""
+        """Wait (bounded) until the readers have seen the end of vLLM's output.
+
+        The supervisor's loop calls it with 0 only: a surviving EngineCore holds the pipes
+        open after the API server died (measured: ~4 s), and the loop must not wait for it.
+        """
         for t in self._readers:
             t.join(timeout)
+
+    def output_closed(self) -> bool:
+        """Both readers have seen the end of vLLM's output (every writer is gone)."""
+        return not any(t.is_alive() for t in self._readers)
+
+    def client_connections(self, port: int) -> int | None:
+        """Established client connections to vLLM's ``port`` held by the group; None = unknown.
+
+        Connections whose peer is one of our own sockets (a probe, the canary) are not
+        clients.  A socket shared by two processes of the group is counted once.
+        """
+        try:
+            ours = {_endpoint(c.laddr) for c in psutil.Process().net_connections(kind="tcp")
+                    if c.laddr}
+            seen: set[tuple[tuple[str, int], tuple[str, int]]] = set()
+            for pid in self.group_members():
+                try:
+                    conns = psutil.Process(pid).net_connections(kind="tcp")
+                except psutil.NoSuchProcess:
+                    continue  # it left the group meanwhile: it holds nothing
+                for c in conns:
+                    if c.status != psutil.CONN_ESTABLISHED or not c.laddr or not c.raddr \
+                            or c.laddr.port != port:
+                        continue
+                    peer = _endpoint(c.raddr)
+                    if peer in ours:
+                        continue
+                    seen.add((_endpoint(c.laddr), peer))
+        except (psutil.Error, OSError):
+            return None
+        return len(seen)
+
+    def oom_evidence(self) -> str | None:
+        """What the kernel says about an OOM kill of this tree (cgroup counter, kernel log)."""
+        return oom_evidence(self.oom_kills_at_start, oom_kill_count(),
+                            kernel_oom_line(self.pid))
 
     def signal_group(self, sig: int) -> bool:
         """Signal every process of the group; False when none is left."""
@@ -184,6 +227,74 @@ class VllmChild:
                 if "EngineCore" in p.name() or any("EngineCore" in a for a in p.cmdline()):
                     out.append(pid)
         return out
+
+
+def _endpoint(addr: Any) -> tuple[str, int]:
+    ip = str(addr[0])
+    if ip.startswith("::ffff:"):
+        ip = ip[7:]  # an IPv4 peer seen through a dual-stack socket
+    return ip, int(addr[1])
+
+
+# --- the kernel's word on OOM kills -----------------------------------------------------------
+
+
+def oom_kill_count(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+                   ) -> int | None:
+    """The oom_kill counter of our own cgroup (v2 memory.events, v1 memory.oom_control).
+
+    Under systemd vLLM lives in the service's cgroup with us, so the counter covers it.
+    None when there is no such file (no memory controller, or not visible here).
+    """
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    candidates = []
+    for line in lines:
+        _, controllers, path = [*line.split(":", 2), "", ""][:3]
+        rel = path.lstrip("/")
+        if controllers == "":  # v2 unified hierarchy
+            candidates += [Path(root, rel, "memory.events"), Path(root, "memory.events")]
+        elif "memory" in controllers.split(","):
+            candidates += [Path(root, "memory", rel, "memory.oom_control"),
+                           Path(root, "memory", "memory.oom_control")]  # a namespaced mount
+    for f in candidates:
+        try:
+            text = f.read_text()
+        except OSError:
+            continue
+        for row in text.splitlines():
+            key, _, value = row.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+    return None
+
+
+def kernel_oom_line(pid: int, kmsg: str = "/dev/kmsg", limit: int = 20000) -> str | None:
+    """The kernel log's "Killed process <pid>" line for ``pid``, if we may read the log."""
+    needle = f"Killed process {pid} "
+    found = None
+    try:
+        fd = os.open(kmsg, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        for _ in range(limit):
+            try:
+                record = os.read(fd, 8192)
+            except BlockingIOError:
+                break  # the end of the ring buffer
+            except OSError:
+                continue  # EPIPE: a record was overwritten while we read; go on
+            if not record:
+                break
+            text = record.decode("utf-8", "replace")
+            if needle in text:
+                found = text.partition(";")[2].strip() or text.strip()
+    finally:
+        os.close(fd)
+    return found
 
 
 def spawn(cfg: Config, on_line: LineSink, env: Mapping[str, str] | None = None,

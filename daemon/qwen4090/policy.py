@@ -87,12 +87,14 @@ _ARGPARSE = re.compile(r"(^|: )error: (unrecognized arguments|argument |invalid 
                        r"the following arguments are required)")
 
 
-def classify_exit(returncode: int, tail: Iterable[str], requested: Cause | None = None
-                  ) -> ExitVerdict:
+def classify_exit(returncode: int, tail: Iterable[str], requested: Cause | None = None,
+                  oom_evidence: str | None = None) -> ExitVerdict:
     """Turn a wait status and the last lines vLLM printed into a cause.
 
     ``requested`` is the reason we stopped it ourselves (hang, reload, ...), which wins:
-    the SIGTERM we sent says nothing about why we sent it.
+    the SIGTERM we sent says nothing about why we sent it.  ``oom_evidence`` is what the
+    kernel said about its OOM killer (cgroup memory events, kernel log), or None: a SIGKILL
+    is blamed on the OOM killer only with evidence, since anyone can send one.
     """
     lines = list(tail)
     if requested is not None:
@@ -116,11 +118,27 @@ def classify_exit(returncode: int, tail: Iterable[str], requested: Cause | None 
         return ExitVerdict(Cause.EXIT_0, "vLLM exited with code 0 by itself; "
                                          + _last_error(lines, "no error line"), retry=True)
     if returncode < 0:
-        sig = _signame(-returncode)
-        hint = " (the kernel's OOM killer?)" if -returncode == signal.SIGKILL else ""
-        return ExitVerdict(Cause.SIGNAL, f"killed by {sig}{hint}", retry=True)
+        return ExitVerdict(Cause.SIGNAL, signal_detail(-returncode, oom_evidence), retry=True)
     return ExitVerdict(Cause.CRASH, f"exit code {returncode}: " + _last_error(lines, ""),
                        retry=True)
+
+
+def signal_detail(signum: int, oom_evidence: str | None) -> str:
+    """"killed by SIGKILL", naming the kernel's OOM killer only when the kernel said so."""
+    text = f"killed by {_signame(signum)}"
+    if signum == signal.SIGKILL and oom_evidence:
+        text += f" from the kernel's OOM killer ({oom_evidence})"
+    return text
+
+
+def oom_evidence(kills_before: int | None, kills_after: int | None,
+                 kernel_line: str | None) -> str | None:
+    """What proves an OOM kill: the cgroup's oom_kill counter moved, or a kernel log line."""
+    if kills_before is not None and kills_after is not None and kills_after > kills_before:
+        return f"cgroup oom_kill {kills_before} -> {kills_after}"
+    if kernel_line:
+        return f"kernel: {_clip(kernel_line, 160)}"
+    return None
 
 
 def _status(returncode: int) -> str:
@@ -253,6 +271,47 @@ class HangDetector:
     def reset(self) -> None:
         self._last_tokens = None
         self._since = None
+
+
+# --- stop and canary verdicts ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DrainSample:
+    """One look at what clients still wait for; None = that source could not tell."""
+
+    connections: int | None  # established client connections to vLLM's port (not ours)
+    running: float | None  # vllm:num_requests_running
+    waiting: float | None  # vllm:num_requests_waiting
+
+
+def drain_busy(s: DrainSample | None) -> bool:
+    """True while a client may still wait for an answer.
+
+    The engine's gauges miss requests still inside the API server (measured: running 0.0 with
+    8 streams open), so open client connections count too.  Whatever cannot be told counts as
+    busy: the drain deadline, not a failed probe, ends a drain.
+    """
+    if s is None or s.connections is None or s.running is None or s.waiting is None:
+        return True
+    return s.connections > 0 or s.running + s.waiting > 0
+
+
+def tokens_moved(before: float | None, after: float | None) -> bool:
+    """The engine's progress counter grew between two /metrics samples (None = no sample)."""
+    return before is not None and after is not None and after > before
+
+
+def canary_counts(ok: bool, timed_out: bool, before: float | None, after: float | None) -> bool:
+    """Whether a canary result is a failure of vLLM.
+
+    A canary that only waited too long while the token counters moved was queued behind real
+    work (measured: 2 running, 29 waiting, canary 30 s late): a busy engine, not a hung one.
+    A canary that got an error, or timed out with the counters flat or unreadable, fails.
+    """
+    if ok:
+        return False
+    return not (timed_out and tokens_moved(before, after))
 
 
 # --- vLLM's log lines -----------------------------------------------------------------------

@@ -28,12 +28,15 @@ from qwen4090.policy import (
     EX_TEMPFAIL,
     NOT_FAILURES,
     Cause,
+    DrainSample,
     ExitVerdict,
     HangDetector,
     Progress,
     RestartBudget,
     backoff_delay,
+    canary_counts,
     classify_exit,
+    drain_busy,
 )
 from qwen4090.preflight import PreflightResult
 from qwen4090.probes.http import (
@@ -59,6 +62,14 @@ PROGRESS_WINDOW = 120.0  # output or warmup steps within this long count as "mak
 KILL_WAIT = 30.0  # after SIGKILL, how long we wait for the group before saying who survived
 PORT_RETRY = 1.0  # while vLLM's port is held: how often we look again
 PORT_SAY_EVERY = 30.0  # ... and how often we say again who holds it
+# After SIGTERM, once waiting is pointless (the EngineCore is gone, the drain deadline passed, a
+# hang), SIGKILL what is left this much later instead of after stop.term_timeout: vLLM's API
+# server otherwise sits in "Waiting for connections to close" for as long as a client keeps a
+# stream open (measured on the H200: 15 s of a 31.9 s hang restart).
+KILL_GRACE = 2.0
+# How long the loop waits, without blocking, for vLLM's last output lines once the group is
+# gone (all writers of the pipes are dead, so the readers end within milliseconds).
+OUTPUT_WAIT = 2.0
 
 
 # --- the parts the supervisor drives (real ones are built in cli.py) ------------------------
@@ -72,9 +83,13 @@ class ChildLike(Protocol):
     def poll(self) -> int | None: ...
     def tail_lines(self) -> list[str]: ...
     def flush_output(self, timeout: float = ...) -> None: ...
+    def output_closed(self) -> bool: ...
     def signal_group(self, sig: int) -> bool: ...
     def group_alive(self) -> bool: ...
     def group_members(self) -> list[int]: ...
+    def engine_pids(self) -> list[int]: ...
+    def client_connections(self, port: int) -> int | None: ...
+    def oom_evidence(self) -> str | None: ...
 
 
 class ProbeLike(Protocol):
@@ -144,6 +159,7 @@ class _Task:
     generation: int
     started: float
     future: Future[Any]
+    job: Any = None  # the callable, when it reports partial progress (_PollJob)
 
 
 class Supervisor:
@@ -174,6 +190,17 @@ class Supervisor:
         self.warmup: WarmupResult | None = None
         self.launch_cfg = cfg  # what the current vLLM runs with (auto resolved, learned applied)
         self.exit_tail: list[str] = []
+        self.exit_rc: int | None = None  # the child's own exit (None: alive, or ended by us)
+        self.exit_oom: str | None = None  # the kernel's word on an OOM kill of that exit
+        self.group_gone_at: float | None = None
+        self.term_sent_at = now
+        self.hurry: str | None = None  # why SIGKILL follows SIGTERM after KILL_GRACE
+        self.engine_gone_at: float | None = None
+        self.drain_sample: DrainSample | None = None
+        self.task_started = now  # when the task whose result is being handled was submitted
+        self.canary_base: float | None = None  # progress counter when the canary was judged
+        self.canary_judged_at = now  # start of the window in which a stuck canary is judged
+        self.canary_stuck_noted: float | None = None
         self.old_pids: list[int] = []
         self.gone_at = now
         self.gpu_faults: deque[str] = deque()  # from the NVML Xid thread: only appends
@@ -270,6 +297,7 @@ class Supervisor:
         if serving and self.cfg.stop.drain_timeout > 0:
             self.stop_phase = "drain"
             self.drain_deadline = now + self.cfg.stop.drain_timeout
+            self.drain_sample = None  # a poll from before the stop says nothing about streams
             self.next_poll = now
         else:
             self.stop_phase = "term"
@@ -331,6 +359,7 @@ class Supervisor:
             except Exception as e:
                 self.log.error("probe_crashed", kind=kind, error=safe_error(e, where=True))
                 continue
+            self.task_started = task.started
             getattr(self, f"on_{kind}")(now, result)
 
     def reap(self, now: float) -> None:
@@ -340,8 +369,12 @@ class Supervisor:
         if rc is None:
             return
         self.emit("child_exit_seen", {"code": rc})  # recovery: the timeline's fault mark
-        self.child.flush_output(2.0)
-        verdict = self.port_verdict(now, classify_exit(rc, self.child.tail_lines()))
+        # No waiting on the pipes here: a surviving EngineCore holds them open.  The verdict
+        # is made again from the full tail once the group is gone (step_restarting).
+        self.exit_rc = rc
+        self.exit_oom = self.child.oom_evidence() if rc == -signal.SIGKILL else None
+        verdict = self.port_verdict(now, classify_exit(rc, self.child.tail_lines(),
+                                                    oom_evidence=self.exit_oom))
         self.log.warning("child_exited", pid=self.child.pid, code=rc, cause=verdict.cause.value,
                          detail=verdict.detail)
         self.fail(now, verdict)
@@ -408,6 +441,9 @@ class Supervisor:
         self.unhealthy_since = None
         self.requested = None
         self.failure = None
+        self.exit_rc = None
+        self.exit_oom = None
+        self.group_gone_at = None
         self.next_poll = now
         self.log.info("child_spawned", pid=child.pid, argv=" ".join(self.safe_argv()))
         self.transition(now, S.STARTING, "spawned")
@@ -492,26 +528,82 @@ class Supervisor:
             self.p.notifier.ready(status)
             self.ready_notified = True
             self.log.info("ready_notified", seconds_since_launch=round(now - self.spawned_at, 1))
+        else:
+            # READY=1 went out before this restart; systemd still shows the last STATUS=
+            # ("warming: ...") until we send the new one.
+            self.p.notifier.status(status)
         self.last_status = status
 
-    def step_ready(self, now: float) -> None:
-        w = self.cfg.watch
-        if self.consecutive and self.ready_since is not None \
+    def note_stable(self, now: float) -> None:
+        """A run READY for restart.stable_after starts the backoff over."""
+        if self.consecutive and self.state in states.SERVING_STATES \
+                and self.ready_since is not None \
                 and now - self.ready_since >= self.cfg.restart.stable_after:
             self.log.info("stable", seconds=round(now - self.ready_since), backoff_reset=True)
             self.consecutive = 0
+
+    def step_ready(self, now: float) -> None:
+        w = self.cfg.watch
+        self.note_stable(now)
         if now >= self.next_poll and "poll" not in self.tasks:
-            self.submit(now, "poll", _poll_job(self._probe(), w.health_timeout))
+            self.submit(now, "poll", _PollJob(self._probe(), w.health_timeout))
             self.next_poll = now + w.poll_interval
+        if self.check_poll_in_flight(now):
+            return
         if w.canary_interval > 0 and now >= self.next_canary and "canary" not in self.tasks \
                 and not (self.last_metrics and self._busy(self.last_metrics)):
-            self.submit(now, "canary", _canary_job(self._probe(), w.canary_timeout))
+            self.canary_base = progress_counter(self.last_metrics) if self.last_metrics else None
+            self.canary_judged_at = now
+            self.submit(now, "canary", _canary_job(self._probe(), w.canary_timeout,
+                                                   w.health_timeout))
             self.next_canary = now + w.canary_interval
         canary = self.tasks.get("canary")
-        if canary is not None and now - canary.started > w.canary_timeout + 5:
-            self.fail(now, ExitVerdict(Cause.CANARY, f"canary request stuck for "
-                                                     f"{now - canary.started:.0f}s", True),
+        if canary is not None and now - self.canary_judged_at > w.canary_timeout + 5:
+            # Judged once per window: the tokens must have moved within each one.
+            latest = progress_counter(self.last_metrics) if self.last_metrics else None
+            stuck = f"canary request stuck for {now - canary.started:.0f}s"
+            if canary_counts(False, True, self.canary_base, latest):
+                self.fail(now, ExitVerdict(Cause.CANARY, stuck, True), requested=True)
+                return
+            if self.canary_stuck_noted != canary.started:
+                self.canary_stuck_noted = canary.started
+                self.log.warning("canary_slow", error=stuck, tokens_before=self.canary_base,
+                                 tokens_after=latest, verdict="tokens moving: busy, not hung")
+            self.canary_base, self.canary_judged_at = latest, now
+
+    def check_poll_in_flight(self, now: float) -> bool:
+        """A /health answer overdue is a failing probe, dated from when it was sent.
+
+        A stopped API server accepts the connection (the kernel does) and never answers; the
+        probe's own result arrives only after its timeouts, so waiting for it would push the
+        detection past unhealthy_timeout + one poll.  True when it ended in a restart.
+        """
+        poll = self.tasks.get("poll")
+        if poll is None or not isinstance(poll.job, _PollJob):
+            return False
+        health = poll.job.health
+        timeout = self.cfg.watch.health_timeout
+        if health is None and now - poll.started > timeout:
+            return self.health_failing(now, poll.started, f"no answer within {timeout:g}s")
+        if health is not None and not health.ok:
+            return self.health_failing(now, poll.started, health.error)
+        return False
+
+    def health_failing(self, now: float, since: float, error: str) -> bool:
+        """Record a failing /health probe sent at ``since``; True when it ended in a restart."""
+        w = self.cfg.watch
+        if self.unhealthy_since is None:
+            self.unhealthy_since = since
+            self.log.warning("health_failed", error=error)
+        if self.state == S.READY:
+            self.transition(now, S.DEGRADED, f"/health: {error}")
+        if now - self.unhealthy_since >= w.unhealthy_timeout:
+            self.fail(now, ExitVerdict(Cause.UNHEALTHY, f"/health failing for "
+                                                        f"{now - self.unhealthy_since:.0f}s: "
+                                                        f"{error}", True),
                       requested=True)
+            return True
+        return False
 
     step_degraded = step_ready
 
@@ -527,18 +619,8 @@ class Supervisor:
             if self.unhealthy_since is not None:
                 self.log.info("health_recovered", after=round(now - self.unhealthy_since, 1))
             self.unhealthy_since = None
-        else:
-            if self.unhealthy_since is None:
-                self.unhealthy_since = now
-                self.log.warning("health_failed", error=health.error)
-            if self.state == S.READY:
-                self.transition(now, S.DEGRADED, f"/health: {health.error}")
-            if now - self.unhealthy_since >= w.unhealthy_timeout:
-                self.fail(now, ExitVerdict(Cause.UNHEALTHY, f"/health failing for "
-                                                            f"{now - self.unhealthy_since:.0f}s: "
-                                                            f"{health.error}", True),
-                          requested=True)
-                return
+        elif self.health_failing(now, self.task_started, health.error):
+            return
         stalled = 0.0
         if metrics.ok:
             self.last_metrics = metrics
@@ -559,20 +641,34 @@ class Supervisor:
         if self.state == S.DEGRADED and health.ok and stalled == 0:
             self.transition(now, S.READY, "healthy again")
 
-    def on_canary(self, now: float, res: CompletionResult) -> None:
+    def on_canary(self, now: float, res: tuple[MetricsResult, CompletionResult, MetricsResult]
+                  ) -> None:
         if self.state not in states.SERVING_STATES:
             return
-        if res.ok:
-            self.log.debug("canary_ok", ms=round(res.seconds * 1000, 1))
+        before, result, after = res
+        if result.ok:
+            self.log.debug("canary_ok", ms=round(result.seconds * 1000, 1))
             return
-        self.log.error("canary_failed", error=res.error)
-        self.fail(now, ExitVerdict(Cause.CANARY, f"canary: {res.error}", True), requested=True)
+        b = progress_counter(before) if before.ok else None
+        a = progress_counter(after) if after.ok else None
+        if not canary_counts(result.ok, result.timed_out, b, a):
+            self.log.warning("canary_slow", error=result.error, tokens_before=b, tokens_after=a,
+                             running=after.get(RUNNING), waiting=after.get(WAITING),
+                             verdict="tokens moving: busy, not hung")
+            return
+        self.log.error("canary_failed", error=result.error, tokens_before=b, tokens_after=a)
+        self.fail(now, ExitVerdict(Cause.CANARY, f"canary: {result.error}", True),
+                  requested=True)
 
     def step_restarting(self, now: float) -> None:
         if self.child is not None:
             if not self.reap_group(now):
                 return
+            assert self.group_gone_at is not None
+            if not self.child.output_closed() and now - self.group_gone_at < OUTPUT_WAIT:
+                return  # vLLM's last lines are still on their way (never blocking the loop)
             self.exit_tail = self.child.tail_lines()
+            self.reclassify_exit(now)
             self.gone_at = now
             self.child = None
             self.after_child_gone(now)
@@ -582,6 +678,18 @@ class Supervisor:
                 return
             self.restart_at = None
             self.transition(now, S.PREFLIGHT, f"restart {self.restarts}")
+
+    def reclassify_exit(self, now: float) -> None:
+        """The child's own exit, judged again now that its last lines are in (the tail)."""
+        if self.exit_rc is None or self.requested is not None or self.failure is None \
+                or self.failure.cause in (Cause.GPU_FATAL, Cause.PORT_HELD, Cause.PREFLIGHT):
+            return  # judged already (a held port's wait must not be judged twice)
+        final = self.port_verdict(now, classify_exit(self.exit_rc, self.exit_tail,
+                                                     oom_evidence=self.exit_oom))
+        if final != self.failure:
+            self.log.warning("exit_classified", cause=final.cause.value, detail=final.detail,
+                             was=self.failure.cause.value)
+            self.failure = final
 
     def after_child_gone(self, now: float) -> None:
         v = self.failure
@@ -686,33 +794,35 @@ class Supervisor:
             self.finish_stop(now)
             return
         if self.stop_phase == "drain":
-            busy = None
-            if self.last_metrics is not None:
-                busy = self._busy(self.last_metrics)
-            if busy is False or now >= self.drain_deadline or self.child.poll() is not None:
-                if busy:
-                    self.log.warning("drain_timeout", running=self.last_metrics.get(RUNNING)
-                                     if self.last_metrics else None)
-                self.log.info("drained", busy=bool(busy))
+            sample = self.drain_sample
+            busy = drain_busy(sample)
+            expired = now >= self.drain_deadline
+            if not busy or expired or self.child.poll() is not None:
+                fields = {"busy": busy, "seconds": round(now - self.state_since, 2),
+                          "connections": sample.connections if sample else None,
+                          "running": sample.running if sample else None,
+                          "waiting": sample.waiting if sample else None}
+                if busy and expired:
+                    self.log.warning("drain_timeout", timeout=self.cfg.stop.drain_timeout,
+                                     **fields)
+                self.log.info("drained", **fields)
                 self.stop_phase = "term"
-                self.begin_kill(now)
+                self.begin_kill(now, hurry="the drain deadline passed" if busy and expired
+                                else None)
                 return
             if now >= self.next_poll and "drain" not in self.tasks:
-                self.last_metrics = None
-                self.submit(now, "drain", _metrics_job(self._probe(),
-                                                       self.cfg.watch.health_timeout))
+                self.submit(now, "drain", _drain_job(self._probe(), self.child,
+                                                     self.launch_cfg.vllm.port,
+                                                     self.cfg.watch.health_timeout))
                 self.next_poll = now + STOP_POLL_INTERVAL
             return
         if self.reap_group(now):
             self.child = None
             self.finish_stop(now)
 
-    def on_drain(self, now: float, res: MetricsResult) -> None:
-        if res.ok:
-            self.last_metrics = res
-        else:
-            # vLLM cannot say what runs: nothing to wait for.
-            self.last_metrics = MetricsResult(True, {RUNNING: 0.0, WAITING: 0.0})
+    def on_drain(self, now: float, res: DrainSample) -> None:
+        # Each sample replaces the last; what it cannot tell stays "busy" (policy.drain_busy).
+        self.drain_sample = res
 
     def finish_stop(self, now: float) -> None:
         self.exit_code = EX_OK
@@ -800,6 +910,8 @@ class Supervisor:
         """Leave the running states for RESTARTING: stop the group, then decide."""
         if self.state in (S.RESTARTING, S.STOPPING) or self.done:
             return
+        # A failure found in this step's harvest comes before step_ready's own check.
+        self.note_stable(now)
         self.failure = verdict
         self.requested = verdict.cause if requested else None
         level = self.log.info if verdict.cause in NOT_FAILURES else self.log.error
@@ -810,34 +922,65 @@ class Supervisor:
         self.last_metrics = None
         if self.child is not None:
             self.old_pids = [self.child.pid, *self.child.group_members()]
-            self.begin_kill(now)
+            # A hung engine will not shut down politely: no term_timeout wait for it.
+            self.begin_kill(now, hurry="hang: the engine makes no progress"
+                            if verdict.cause == Cause.HANG else None)
         else:
             self.after_child_gone(now)
 
-    def begin_kill(self, now: float) -> None:
+    def begin_kill(self, now: float, hurry: str | None = None) -> None:
+        """SIGTERM the group; SIGKILL after term_timeout, or after KILL_GRACE with a reason."""
         assert self.child is not None
         self.kill_at = now + self.cfg.stop.term_timeout
         self.killed_at = None
+        self.term_sent_at = now
+        self.hurry = hurry
+        self.engine_gone_at = None
+        self.group_gone_at = None
         if self.child.signal_group(signal.SIGTERM):
-            self.log.info("group_signalled", signal="SIGTERM", pgid=self.child.pid)
+            # A stopped process (SIGSTOP, a debugger) acts on TERM only once continued.
+            self.child.signal_group(signal.SIGCONT)
+            self.log.info("group_signalled", signal="SIGTERM", pgid=self.child.pid,
+                          hurry=hurry)
 
     def reap_group(self, now: float) -> bool:
         """True once no process of the child's group is left (TERM, then KILL)."""
         assert self.child is not None
+        if self.group_gone_at is not None:
+            return True
         rc = self.child.poll()
         if rc is not None and not self.child.group_alive():
-            self.child.flush_output(2.0)
-            self.log.info("group_gone", pid=self.child.pid, code=rc)
+            self.group_gone_at = now
+            self.log.info("group_gone", pid=self.child.pid, code=rc,
+                          seconds_after_term=round(now - self.term_sent_at, 2))
             return True
-        if self.killed_at is None and self.kill_at is not None and now >= self.kill_at:
-            self.log.warning("group_kill", reason=f"still running {self.cfg.stop.term_timeout:g}s "
-                                                  "after SIGTERM", pgid=self.child.pid)
-            self.child.signal_group(signal.SIGKILL)
-            self.killed_at = now
+        if self.killed_at is None:
+            why = self.kill_reason(now)
+            if why is not None:
+                self.log.warning("group_kill", reason=why, pgid=self.child.pid)
+                self.child.signal_group(signal.SIGKILL)
+                self.killed_at = now
         if self.killed_at is not None and now - self.killed_at > KILL_WAIT:
             self.log.error("group_survives_kill", pids=self.child.group_members())
+            self.group_gone_at = now
             return True
         return False
+
+    def kill_reason(self, now: float) -> str | None:
+        """Why SIGKILL is due now (None: keep waiting for the group to end by itself)."""
+        assert self.child is not None
+        if self.kill_at is not None and now >= self.kill_at:
+            return f"still running {self.cfg.stop.term_timeout:g}s after SIGTERM"
+        if now - self.term_sent_at < KILL_GRACE:
+            return None
+        if self.hurry is not None:
+            return f"{self.hurry}; {now - self.term_sent_at:.1f}s after SIGTERM"
+        if self.engine_gone_at is None and not self.child.engine_pids():
+            self.engine_gone_at = now
+        if self.engine_gone_at is not None and now - self.engine_gone_at >= KILL_GRACE:
+            return (f"no EngineCore left {now - self.engine_gone_at:.1f}s; the API server would "
+                    "only wait for idle client connections")
+        return None
 
     def give_up(self, now: float, code: int, why: str) -> None:
         self.exit_code = code
@@ -850,7 +993,7 @@ class Supervisor:
         self.tasks.clear()
 
     def submit(self, now: float, kind: str, fn: Callable[[], Any]) -> None:
-        self.tasks[kind] = _Task(kind, self.generation, now, self.p.executor.submit(fn))
+        self.tasks[kind] = _Task(kind, self.generation, now, self.p.executor.submit(fn), fn)
 
     def _probe(self) -> ProbeLike:
         assert self.probe is not None, "probe exists while a child runs"
@@ -932,17 +1075,36 @@ def _health_job(probe: ProbeLike, timeout: float) -> Callable[[], HealthResult]:
     return lambda: probe.health(timeout)
 
 
-def _metrics_job(probe: ProbeLike, timeout: float) -> Callable[[], MetricsResult]:
-    return lambda: probe.metrics(timeout)
+class _PollJob:
+    """/health then /metrics; ``health`` is set as soon as the first answer is in, so the loop
+    can tell an overdue /health from a slow /metrics while the job still runs."""
+
+    def __init__(self, probe: ProbeLike, timeout: float) -> None:
+        self.probe = probe
+        self.timeout = timeout
+        self.health: HealthResult | None = None
+
+    def __call__(self) -> tuple[HealthResult, MetricsResult]:
+        self.health = self.probe.health(self.timeout)
+        return self.health, self.probe.metrics(self.timeout)
 
 
-def _poll_job(probe: ProbeLike, timeout: float
-              ) -> Callable[[], tuple[HealthResult, MetricsResult]]:
-    return lambda: (probe.health(timeout), probe.metrics(timeout))
+def _canary_job(probe: ProbeLike, timeout: float, metrics_timeout: float
+                ) -> Callable[[], tuple[MetricsResult, CompletionResult, MetricsResult]]:
+    # The counters on both sides of the canary tell a queued canary from a hung engine.
+    return lambda: (probe.metrics(metrics_timeout), probe.complete([TOKEN_CANARY], 1, timeout),
+                    probe.metrics(metrics_timeout))
 
 
-def _canary_job(probe: ProbeLike, timeout: float) -> Callable[[], CompletionResult]:
-    return lambda: probe.complete([TOKEN_CANARY], 1, timeout)
+def _drain_job(probe: ProbeLike, child: ChildLike, port: int, timeout: float
+               ) -> Callable[[], DrainSample]:
+    def job() -> DrainSample:
+        connections = child.client_connections(port)
+        m = probe.metrics(timeout)
+        if not m.ok:
+            return DrainSample(connections, None, None)
+        return DrainSample(connections, m.get(RUNNING), m.get(WAITING))
+    return job
 
 
 TOKEN_CANARY = 785  # any id < 1000 exists in every vocabulary we serve

@@ -2,11 +2,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import time
 
-from qwen4090.child import VllmChild, render_argv, render_env
+from qwen4090.child import VllmChild, kernel_oom_line, oom_kill_count, render_argv, render_env
 from qwen4090.config import VllmConfig, from_dict
 
 
@@ -78,3 +79,72 @@ def test_group_signal_reaches_orphaned_grandchildren():
         assert "leader up" in "\n".join(child.tail_lines())
     finally:
         child.signal_group(signal.SIGKILL)
+
+
+def test_oom_kill_count_reads_cgroup_v2_and_v1(tmp_path):
+    v2 = tmp_path / "v2"
+    (v2 / "system.slice" / "q.service").mkdir(parents=True)
+    (v2 / "system.slice" / "q.service" / "memory.events").write_text(
+        "low 0\nhigh 0\nmax 2\noom 1\noom_kill 1\noom_group_kill 0\n")
+    cg = tmp_path / "cgroup"
+    cg.write_text("0::/system.slice/q.service\n")
+    assert oom_kill_count(str(cg), str(v2)) == 1
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)  # a namespaced mount: the path is not visible
+    (v1 / "memory" / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\n"
+                                                      "oom_kill 4\n")
+    cg.write_text("4:memory:/process_api/abc\n0::/\n")
+    assert oom_kill_count(str(cg), str(v1)) == 4
+    assert oom_kill_count(str(tmp_path / "absent"), str(v1)) is None
+    cg.write_text("1:cpu:/\n")
+    assert oom_kill_count(str(cg), str(v1)) is None
+
+
+def test_kernel_oom_line_finds_the_pid(tmp_path):
+    log = tmp_path / "kmsg"
+    log.write_text("6,1,2,-;Out of memory: Killed process 4242 (python) total-vm:10kB\n")
+    assert "Killed process 4242 " in (kernel_oom_line(4242, str(log)) or "")
+    assert kernel_oom_line(424, str(log)) is None
+    assert kernel_oom_line(1, str(tmp_path / "absent")) is None
+
+
+def test_client_connections_counts_clients_not_our_own_sockets():
+    import socket
+
+    server = ("import socket, time\n"
+              "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+              "s.bind(('127.0.0.1', 0)); s.listen(8); print(s.getsockname()[1], flush=True)\n"
+              "conns = []\n"
+              "while True:\n"
+              "    conns.append(s.accept()[0]); print('accepted', len(conns), flush=True)\n")
+    lines: list[str] = []
+    child = VllmChild([sys.executable, "-c", server], dict(os.environ),
+                      lambda s, line: lines.append(line))
+    clients: list[socket.socket] = []
+    try:
+        assert wait_until(lambda: bool(lines))
+        port = int(lines[0])
+        assert child.client_connections(port) == 0
+        # a "client" in a process of its own: counted
+        other = subprocess.Popen([sys.executable, "-c",
+                                  f"import socket, time; c = socket.create_connection("
+                                  f"('127.0.0.1', {port})); print('up', flush=True); "
+                                  f"time.sleep(60)"], stdout=subprocess.PIPE)
+        try:
+            assert other.stdout is not None and other.stdout.readline().strip() == b"up"
+            assert wait_until(lambda: child.client_connections(port) == 1)
+            # our own sockets (probes, canary) are not clients, once accepted too
+            clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+            assert wait_until(lambda: "accepted 3" in lines)
+            assert child.client_connections(port) == 1
+        finally:
+            other.kill()
+            other.wait()
+            if other.stdout:
+                other.stdout.close()
+        assert wait_until(lambda: child.client_connections(port) == 0)
+    finally:
+        for c in clients:
+            c.close()
+        child.signal_group(signal.SIGKILL)
+        child.proc.wait(10)

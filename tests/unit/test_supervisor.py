@@ -46,6 +46,12 @@ class FakeChild:
         self.signals: list[int] = []
         self.tail: list[str] = []
         self.ignores_term = False
+        self.engine_alive = True  # an EngineCore is in the group
+        self.connections: int | None = 0  # client connections to vLLM's port
+        self.oom: str | None = None  # the kernel's OOM evidence
+        self.closed = True  # the output pipes reached EOF
+        self.term_stops_engine_only = False  # API server waits for its connections on TERM
+        self.flushes: list[float] = []
 
     def poll(self) -> int | None:
         return self.rc
@@ -54,10 +60,28 @@ class FakeChild:
         return self.tail
 
     def flush_output(self, timeout: float = 2.0) -> None:
-        pass
+        self.flushes.append(timeout)
+        if timeout > 0 and not self.closed:
+            # the real one blocks here while a surviving EngineCore holds the pipes
+            raise AssertionError(f"the loop waited {timeout}s on the child's pipes")
+
+    def output_closed(self) -> bool:
+        return self.closed
+
+    def engine_pids(self) -> list[int]:
+        return [self.pid + 1000] if self.alive and self.engine_alive else []
+
+    def client_connections(self, port: int) -> int | None:
+        return self.connections
+
+    def oom_evidence(self) -> str | None:
+        return self.oom
 
     def signal_group(self, sig: int) -> bool:
         self.signals.append(sig)
+        if sig == signal.SIGTERM and self.term_stops_engine_only:
+            self.engine_alive = False
+            return True
         if sig == signal.SIGKILL or (sig == signal.SIGTERM and not self.ignores_term):
             if self.rc is None:
                 self.rc = -sig
@@ -78,8 +102,11 @@ class FakeProbe:
     def __init__(self) -> None:
         self.healthy = True
         self.running = 0.0
+        self.waiting = 0.0
         self.tokens = 0.0
+        self.tokens_per_metrics = 0.0  # the counter grows by this much at each /metrics read
         self.canary_ok = True
+        self.canary_error = False  # an error answer (HTTP 500) instead of a timeout
         self.canaries = 0
 
     def health(self, timeout: float) -> HealthResult:
@@ -87,14 +114,18 @@ class FakeProbe:
                             "" if self.healthy else "connection refused")
 
     def metrics(self, timeout: float) -> MetricsResult:
-        return MetricsResult(True, {RUNNING: self.running, WAITING: 0.0,
+        self.tokens += self.tokens_per_metrics
+        return MetricsResult(True, {RUNNING: self.running, WAITING: self.waiting,
                                     GENERATION_TOKENS: self.tokens})
 
     def complete(self, prompt: Any, max_tokens: int, timeout: float) -> CompletionResult:
         self.canaries += 1
         if self.canary_ok:
             return CompletionResult(True, 0.01, 0.02, 1)
-        return CompletionResult(False, None, timeout, 0, f"no answer within {timeout:g}s")
+        if self.canary_error:
+            return CompletionResult(False, None, 0.01, 0, "HTTP 500: EngineDeadError")
+        return CompletionResult(False, None, timeout, 0, f"no answer within {timeout:g}s",
+                                timed_out=True)
 
 
 class Notifier:
@@ -129,12 +160,29 @@ class Notifier:
 
 
 class Inline:
-    """Runs a task at once: results are ready for the next step's harvest."""
+    """Runs a task at once: results are ready for the next step's harvest.
+
+    ``hold(fn)`` True keeps that task in flight (a probe that never gets its answer)."""
+
+    def __init__(self) -> None:
+        self.hold: Any = lambda fn: False
+        self.held: list[Any] = []
 
     def submit(self, fn: Any, /, *args: Any) -> Future[Any]:
         f: Future[Any] = Future()
+        if self.hold(fn):
+            self.held.append(fn)
+            return f
         f.set_result(fn(*args))
         return f
+
+
+def is_poll(fn: Any) -> bool:
+    return type(fn).__name__ == "_PollJob"
+
+
+def is_canary(fn: Any) -> bool:
+    return "_canary_job" in getattr(fn, "__qualname__", "")
 
 
 class Log:
@@ -171,10 +219,11 @@ class Harness:
         self.notifier = Notifier()
         self.log = Log()
         self.reload_to = reload_to
+        self.executor = Inline()
         self.sup = Supervisor(self.cfg, Parts(
             spawn=self.spawn, make_probe=lambda c: self.probe,
             preflight=preflight or (lambda c: PreflightResult()), warmup=warmup,
-            load_config=self.load, notifier=self.notifier, executor=Inline(), log=self.log,
+            load_config=self.load, notifier=self.notifier, executor=self.executor, log=self.log,
             clock=self.clock, wall=lambda: 0.0, rand=random.Random(0)))
 
     def spawn(self, cfg: Config) -> FakeChild:
@@ -382,7 +431,7 @@ def test_sigterm_drains_then_stops_group():
     assert h.child.signals == []  # still draining: requests are running
     h.probe.running = 0.0
     h.step(0.5, n=3)
-    assert h.child.signals == [signal.SIGTERM]
+    assert h.child.signals == [signal.SIGTERM, signal.SIGCONT]
     h.run_until(State.STOPPED)
     assert h.sup.exit_code == 0
 
@@ -390,12 +439,91 @@ def test_sigterm_drains_then_stops_group():
 def test_stop_escalates_to_sigkill_after_term_timeout():
     h = Harness()
     h.run_until(State.READY)
-    h.child.ignores_term = True
-    h.probe.running = 1.0
+    h.child.ignores_term = True  # and its EngineCore stays: nothing says "hurry"
     h.sup.deliver(signal.SIGTERM)
-    h.run_until(State.STOPPED, dt=0.5)
-    assert h.child.signals == [signal.SIGTERM, signal.SIGKILL]
-    assert "drain_timeout" in h.log.names() and "group_kill" in h.log.names()
+    h.step(0.1)
+    h.step(0.1)  # the drain sample: idle
+    assert h.child.signals == [signal.SIGTERM, signal.SIGCONT]
+    term = h.clock.t
+    h.run_until(State.STOPPED, dt=0.25)
+    assert h.child.signals == [signal.SIGTERM, signal.SIGCONT, signal.SIGKILL]
+    kill = next(kw for _, e, kw in h.log.events if e == "group_kill")
+    assert "3s after SIGTERM" in kill["reason"]
+    assert h.clock.t - term >= 3.0
+
+
+def test_drain_waits_for_client_connections_though_the_gauges_read_zero():
+    # vLLM's gauges miss requests still in the API server: 8 streams open, running 0.0.
+    h = Harness({"stop": {"drain_timeout": 30.0}})
+    h.run_until(State.READY)
+    h.child.connections = 8
+    h.sup.deliver(signal.SIGTERM)
+    h.step(0.1)
+    h.step(0.5, n=20)
+    assert h.sup.state == State.STOPPING and h.child.signals == []
+    assert "drained" not in h.log.names()
+    h.child.connections = 0
+    h.step(0.5, n=3)
+    assert h.child.signals[:1] == [signal.SIGTERM]
+    drained = next(kw for _, e, kw in h.log.events if e == "drained")
+    assert drained["busy"] is False and drained["connections"] == 0
+    assert drained["seconds"] >= 10.0
+    h.run_until(State.STOPPED)
+
+
+def test_drain_that_cannot_tell_is_busy_until_the_deadline():
+    h = Harness({"stop": {"drain_timeout": 5.0, "term_timeout": 30.0}})
+    h.run_until(State.READY)
+    h.child.connections = None  # psutil cannot see the sockets
+    h.child.ignores_term = True
+    h.sup.deliver(signal.SIGTERM)
+    stop = h.clock.t
+    h.step(0.1)
+    h.step(0.25, n=15)
+    assert h.child.signals == []  # 3.85 s: still draining
+    h.run_until(State.STOPPED, dt=0.25)
+    names = h.log.names()
+    assert names.index("drain_timeout") < names.index("drained")
+    drained = next(kw for _, e, kw in h.log.events if e == "drained")
+    assert drained["busy"] is True and drained["seconds"] >= 5.0
+    # past the deadline there is nothing to wait for: SIGKILL after the grace, not 30 s
+    kill = next(kw for _, e, kw in h.log.events if e == "group_kill")
+    assert "drain deadline passed" in kill["reason"]
+    assert h.child.signals == [signal.SIGTERM, signal.SIGCONT, signal.SIGKILL]
+    assert h.clock.t - stop <= 5.0 + 2.0 + 1.0
+
+
+def test_api_server_waiting_for_connections_after_its_engine_is_gone_is_killed():
+    # The restart of a failed canary: TERM ends the EngineCore, the API server lingers.
+    h = Harness({"stop": {"term_timeout": 15.0}})
+    h.run_until(State.READY)
+    h.child.term_stops_engine_only = True
+    h.probe.canary_error = True
+    h.probe.canary_ok = False
+    h.run_until(State.RESTARTING)
+    term = h.clock.t
+    h.run_until(State.PREFLIGHT, dt=0.25)
+    kill = next(kw for _, e, kw in h.log.events if e == "group_kill")
+    assert "no EngineCore left" in kill["reason"]
+    assert h.sup.gone_at - term <= 2 * 2.0 + 0.5  # engine looked for after the grace, + grace
+    assert h.children[0].signals == [signal.SIGTERM, signal.SIGCONT, signal.SIGKILL]
+
+
+def test_hang_restart_continues_the_group_and_kills_without_term_timeout():
+    h = Harness({"stop": {"term_timeout": 15.0}})
+    h.run_until(State.READY)
+    hung = h.child
+    hung.ignores_term = True  # a stopped EngineCore does not act on TERM
+    h.probe.running, h.probe.tokens = 1.0, 50.0
+    h.run_until(State.RESTARTING)
+    assert h.sup.failure.cause is Cause.HANG
+    term = h.clock.t
+    assert hung.signals == [signal.SIGTERM, signal.SIGCONT]
+    h.run_until(State.PREFLIGHT, dt=0.25)
+    assert hung.signals == [signal.SIGTERM, signal.SIGCONT, signal.SIGKILL]
+    kill = next(kw for _, e, kw in h.log.events if e == "group_kill")
+    assert kill["reason"].startswith("hang")
+    assert h.sup.gone_at - term <= 2.0 + 0.5
 
 
 def test_second_sigterm_skips_drain():
@@ -406,7 +534,7 @@ def test_second_sigterm_skips_drain():
     h.step(0.1)
     h.sup.deliver(signal.SIGINT)
     h.step(0.1)
-    assert h.child.signals == [signal.SIGTERM]
+    assert h.child.signals == [signal.SIGTERM, signal.SIGCONT]
 
 
 def test_sighup_with_broken_config_keeps_serving():
@@ -473,3 +601,154 @@ def test_watchdog_pings_from_the_loop():
     before = h.notifier.sent.count("WATCHDOG=1")
     h.step(1.0, n=10)
     assert h.notifier.sent.count("WATCHDOG=1") - before == 5
+
+
+def test_canary_timeout_while_tokens_move_is_not_a_restart():
+    # The canary queued behind long prompts: no answer in time, but the engine progresses.
+    h = Harness()
+    h.run_until(State.READY)
+    h.probe.canary_ok = False
+    h.probe.tokens_per_metrics = 7.0
+    h.step(1.0, n=30)
+    assert h.sup.state == State.READY and h.sup.restarts == 0
+    slow = [kw for lvl, e, kw in h.log.events if e == "canary_slow"]
+    assert slow and all(lvl == "warning" for lvl, e, _ in h.log.events if e == "canary_slow")
+    assert slow[0]["tokens_after"] > slow[0]["tokens_before"]
+    assert "canary_failed" not in h.log.names()
+    # the same timeout with the counters flat is a failure
+    h.probe.tokens_per_metrics = 0.0
+    h.run_until(State.RESTARTING)
+    assert h.sup.failure.cause is Cause.CANARY
+
+
+def test_canary_error_answer_fails_even_while_tokens_move():
+    h = Harness()
+    h.run_until(State.READY)
+    h.probe.canary_ok, h.probe.canary_error = False, True
+    h.probe.tokens_per_metrics = 7.0
+    h.run_until(State.RESTARTING)
+    assert h.sup.failure.cause is Cause.CANARY and "HTTP 500" in h.sup.failure.detail
+
+
+def test_stuck_canary_with_progress_is_not_a_restart_without_it_is():
+    h = Harness()
+    h.executor.hold = is_canary  # the canary's thread never comes back
+    h.run_until(State.READY)
+    h.probe.tokens_per_metrics = 5.0  # and the polls see the engine working
+    h.step(0.5, n=60)
+    assert h.executor.held and h.sup.state == State.READY
+    assert [e for e in h.log.names() if e == "canary_slow"] == ["canary_slow"]  # once
+    h.probe.tokens_per_metrics = 0.0
+    h.run_until(State.RESTARTING, dt=0.5)
+    assert h.sup.failure.cause is Cause.CANARY and "stuck" in h.sup.failure.detail
+
+
+def test_health_probe_without_answer_fails_from_when_it_was_sent():
+    # A SIGSTOPped API server: the kernel accepts the connection, no answer ever comes.
+    h = Harness({"watch": {"unhealthy_timeout": 3.0, "health_timeout": 1.0,
+                           "poll_interval": 1.0, "canary_interval": 0.0}})
+    h.run_until(State.READY)
+    stopped = h.clock.t
+    h.executor.hold = is_poll
+    h.run_until(State.RESTARTING, dt=0.25, limit=200)
+    assert h.sup.failure.cause is Cause.UNHEALTHY
+    failed = next(i for i, (_, e, _) in enumerate(h.log.events) if e == "health_failed")
+    assert "no answer within 1s" in h.log.events[failed][2]["error"]
+    # bound: unhealthy_timeout + one poll interval (+ one tick)
+    assert h.clock.t - stopped <= 3.0 + 1.0 + 0.25
+    assert ("ready", "degraded") in h.transitions()
+
+
+def test_failed_health_answer_is_dated_from_the_probe_start():
+    h = Harness({"watch": {"unhealthy_timeout": 3.0}})
+    h.run_until(State.READY)
+    h.probe.healthy = False
+    h.step(1.0)
+    first = h.clock.t
+    h.step(1.0)  # harvested one step after it was sent
+    assert h.sup.unhealthy_since is not None and h.sup.unhealthy_since <= first
+
+
+def test_dead_child_seen_in_one_step_without_waiting_on_its_pipes():
+    h = Harness()
+    h.run_until(State.READY)
+    c = h.child
+    # The API server died; the surviving EngineCore keeps the pipes (flush would block).
+    c.closed = False
+    c.rc, c.tail = 1, ["(APIServer pid=1) INFO 11-30 00:00:00 [x.py:1] serving"]
+    h.step(0.01)
+    assert h.sup.state == State.RESTARTING  # one step
+    assert all(t == 0 for t in c.flushes)
+    assert c.signals[:1] == [signal.SIGTERM]
+    # the group goes, and the last lines (the real cause) arrive after it
+    c.alive = False
+    h.step(0.25)
+    assert h.sup.state == State.RESTARTING and h.sup.child is c  # waiting for the lines
+    c.tail = [*c.tail, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB"]
+    c.closed = True
+    h.step(0.25)
+    assert h.sup.child is None and h.sup.failure.cause is Cause.OOM
+    assert "exit_classified" in h.log.names()
+    assert all(t == 0 for t in c.flushes)
+
+
+def test_output_wait_is_bounded_when_the_pipes_never_close():
+    h = Harness()
+    h.run_until(State.READY)
+    c = h.child
+    c.closed = False
+    c.exit(1, ["ValueError: boom"])
+    c.closed = False
+    h.step(0.01)
+    gone = h.clock.t
+    h.run_until(State.PREFLIGHT, dt=0.25)
+    assert h.clock.t - gone <= 2.0 + 1.0 + 0.5  # OUTPUT_WAIT + the first backoff
+    assert h.sup.failure is None or h.sup.history[-1].cause == "crash"
+
+
+def test_status_says_ready_after_a_restart():
+    h = Harness()
+    h.run_until(State.READY)
+    h.child.exit(1, ["ValueError: boom"])
+    h.run_until(State.WARMING)
+    h.run_until(State.READY)
+    statuses = [m for m in h.notifier.sent if m.startswith("STATUS=")]
+    assert statuses[-1].startswith("STATUS=ready: ") and "restarts=1" in statuses[-1]
+    assert h.notifier.sent.count("READY=1") == 1
+
+
+def test_sigkill_says_oom_only_with_the_kernels_evidence():
+    h = Harness()
+    h.run_until(State.READY)
+    h.child.rc = -signal.SIGKILL
+    h.step(0.01)
+    exited = next(kw for _, e, kw in h.log.events if e == "child_exited")
+    assert exited["detail"] == "killed by SIGKILL"
+    h.run_until(State.READY)
+    h.child.oom = "cgroup oom_kill 0 -> 1"
+    h.child.rc = -signal.SIGKILL
+    mark = len(h.log.events)
+    h.step(0.01)
+    exited = next(kw for _, e, kw in h.log.events[mark:] if e == "child_exited")
+    assert exited["detail"] == ("killed by SIGKILL from the kernel's OOM killer "
+                                "(cgroup oom_kill 0 -> 1)")
+
+
+def test_first_restart_after_a_stable_run_has_the_initial_backoff():
+    h = Harness({"restart": {"stable_after": 30.0, "budget_failures": 10}})
+    for _ in range(2):  # two quick failures: the backoff grows
+        h.run_until(State.LOADING)
+        h.child.exit(1, ["ValueError: boom"])
+        h.step(0.1, n=2)
+    h.run_until(State.READY)
+    assert h.sup.consecutive == 2
+    h.step(1.0, n=10)
+    # the canary that fails is harvested in the same step that crosses stable_after
+    h.probe.canary_ok, h.probe.canary_error = False, True
+    h.sup.next_canary = h.clock.t
+    h.step(0.1)
+    h.step(40.0)
+    assert h.sup.state == State.RESTARTING
+    h.run_until(State.PREFLIGHT)
+    delays = [kw["delay"] for _, e, kw in h.log.events if e == "restart_scheduled"]
+    assert delays == [1.0, 2.0, 1.0]

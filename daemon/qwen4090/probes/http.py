@@ -44,6 +44,7 @@ class CompletionResult:
     tokens: int  # streamed chunks that carried text
     error: str = ""
     finish_reason: str | None = None
+    timed_out: bool = False  # no answer in time (as opposed to an error answer)
 
 
 class VllmProbe:
@@ -129,7 +130,8 @@ class VllmProbe:
                 while True:
                     if self.clock() > deadline:
                         return CompletionResult(False, ttft, self.clock() - start, tokens,
-                                                f"no end of stream within {timeout:g}s")
+                                                f"no end of stream within {timeout:g}s",
+                                                timed_out=True)
                     line = resp.readline()
                     if not line:
                         break
@@ -157,7 +159,8 @@ class VllmProbe:
             finally:
                 conn.close()
         except Exception as e:  # e.g. UnicodeEncodeError holding the Authorization header
-            return CompletionResult(False, ttft, self.clock() - start, tokens, _why(e, timeout))
+            return CompletionResult(False, ttft, self.clock() - start, tokens, _why(e, timeout),
+                                    timed_out=isinstance(e, (socket.timeout, TimeoutError)))
         seconds = self.clock() - start
         if ttft is None:
             return CompletionResult(False, None, seconds, tokens, "stream ended without a token",
