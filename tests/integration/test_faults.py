@@ -1,0 +1,180 @@
+"""Faults of a sysadmin's bad day against one real supervisor and one real vLLM, in file order:
+a canary queued behind a busy engine, a SIGSTOPped API server, a SIGKILLed API server, and
+SIGTERM with streams that outlive a short drain_timeout.
+
+Each test records the seconds it measured (``record``) for docs/reliability.md; the asserted
+bounds are correctness bounds on the behaviour, not performance targets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.integration.harness import Daemon, Stream, cpu_config, free_port, record, write_toml
+
+START_TIMEOUT = 240.0
+POLL = 1.0
+HEALTH_TIMEOUT = 5.0
+UNHEALTHY_TIMEOUT = 6.0
+DRAIN_TIMEOUT = 3.0
+TERM_TIMEOUT = 15.0  # the shipped default
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    tmp = tmp_path_factory.mktemp("faults")
+    port = free_port()
+    # canary_timeout above the unhealthy window: a canary caught by the SIGSTOP cannot win the
+    # race against the /health verdict this module measures.
+    cfg = write_toml(tmp / "qwen4090.toml", cpu_config(port, watch={
+        "poll_interval": POLL, "health_timeout": HEALTH_TIMEOUT,
+        "unhealthy_timeout": UNHEALTHY_TIMEOUT, "canary_interval": 5.0, "canary_timeout": 30.0},
+        stop={"drain_timeout": DRAIN_TIMEOUT, "term_timeout": TERM_TIMEOUT}))
+    (tmp / "conf.d").mkdir()
+    d = Daemon(cfg, tmp)
+    d.port = port  # type: ignore[attr-defined]
+    d.tmp = tmp  # type: ignore[attr-defined]
+    yield d
+    d.close()
+
+
+def reload(d: Daemon) -> dict[str, Any]:
+    mark = d.mark()
+    d.signal(signal.SIGHUP)
+    return d.wait_event("reloaded", 20, after=mark)
+
+
+def test_ready(daemon: Daemon) -> None:
+    daemon.wait_state("ready", START_TIMEOUT)
+    daemon.wait_notify("READY=1", 30)
+
+
+def test_canary_behind_a_busy_queue_is_not_a_restart(daemon: Daemon) -> None:
+    port = daemon.port  # type: ignore[attr-defined]
+    pid = daemon.last_child_pid()
+    # Canaries every second, polls every 20 s: between two polls the supervisor believes the
+    # engine idle and sends canaries, which queue behind the burst below (FCFS).
+    drop = daemon.tmp / "conf.d" / "50-canary.toml"  # type: ignore[attr-defined]
+    drop.write_text("[watch]\npoll_interval = 20.0\ncanary_interval = 1.0\n"
+                    "canary_timeout = 2.0\n")
+    reloaded = reload(daemon)
+    try:
+        # the poll scheduled before the reload has run: the next one is ~20 s away
+        daemon.wait_for(lambda: [e for e in daemon.events if e.get("event") == "canary_ok"
+                                 and e["_t"] > reloaded["_t"] + 2.5], 20,
+                        "a canary after the reload's last short poll")
+        mark = daemon.mark()
+        # 64 requests of 1024 + 1000 tokens, 8 at a time: ~30 s of queue, tokens moving
+        burst = [Stream(port, [(7 * i + j) % 1000 + 10 for j in range(1024)], 1000,
+                        timeout=300) for i in range(64)]
+        t_burst = time.monotonic()
+        for st in burst:
+            st.start()
+        slow = daemon.wait_event("canary_slow", 30, after=mark)
+        assert slow["_prio"] == 4  # journald: warning
+        assert slow["tokens_after"] > slow["tokens_before"], slow
+        for st in burst:
+            st.join(240)
+        assert all(st.done for st in burst), [st.outcome() for st in burst if not st.done]
+        record("canary_behind_busy_queue_slow_after_burst", slow["_t"] - t_burst,
+               running=slow.get("running"), waiting=slow.get("waiting"),
+               verdict="canary_slow warning, no restart", clients="64/64 complete")
+        assert daemon.event("canary_failed", mark) is None
+        assert daemon.event("vllm_failed", mark) is None
+        assert daemon.last_child_pid() == pid and daemon.state() == "ready"
+    finally:
+        drop.unlink()
+        reload(daemon)
+
+
+def test_stopped_api_server_is_detected_within_unhealthy_timeout_and_one_poll(
+        daemon: Daemon) -> None:
+    pid = daemon.last_child_pid()
+    mark = daemon.mark()
+    os.kill(pid, signal.SIGSTOP)
+    t_stop = time.monotonic()
+    try:
+        failed = daemon.wait_event("vllm_failed", 60, after=mark)
+        assert failed["cause"] == "unhealthy", failed
+        detected = failed["_t"] - t_stop
+        first = daemon.event("health_failed", mark)
+        assert first is not None
+        # the bound of the behaviour: unhealthy_timeout + one poll (+ the probe's own timeout
+        # before an answer is overdue, + generous slack for a loaded 2-core machine)
+        bound = UNHEALTHY_TIMEOUT + POLL + HEALTH_TIMEOUT + 5.0
+        record("sigstop_api_server_detected", detected, bound=bound,
+               first_health_failed=round(first["_t"] - t_stop, 2))
+        assert detected <= bound, (detected, bound)
+        gone = daemon.wait_event("group_gone", TERM_TIMEOUT + 40, after=mark)
+        ready = daemon.wait_state("ready", START_TIMEOUT, after=mark)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    record("sigstop_api_server_group_gone", gone["_t"] - t_stop)
+    record("sigstop_api_server_ready_again", ready["_t"] - t_stop)
+    daemon.wait_for(lambda: daemon.statuses()[-1].startswith("ready: tiny"), 10,
+                    "STATUS=ready after the restart")
+
+
+def test_killed_api_server_is_seen_at_once(daemon: Daemon) -> None:
+    pid = daemon.last_child_pid()
+    engine = daemon.engine_core()
+    mark = daemon.mark()
+    os.kill(pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+    exited = daemon.wait_event("child_exited", 30, after=mark)
+    detected = exited["_t"] - t_kill
+    record("sigkill_api_server_detected", detected)
+    # no evidence of the kernel's OOM killer here: the wording must not guess
+    assert exited["code"] == -9 and exited["detail"] == "killed by SIGKILL", exited
+    gone = daemon.wait_event("group_gone", TERM_TIMEOUT + 40, after=mark)
+    names = [e.get("event") for e in daemon.events[mark:]]
+    # seen while its EngineCore still lived: we signalled the group after noticing
+    assert names.index("child_exited") < names.index("group_signalled") < names.index(
+        "group_gone")
+    ready = daemon.wait_state("ready", START_TIMEOUT, after=mark)
+    assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
+    record("sigkill_api_server_group_gone", gone["_t"] - t_kill)
+    record("sigkill_api_server_ready_again", ready["_t"] - t_kill)
+    daemon.wait_for(lambda: daemon.statuses()[-1].startswith("ready: tiny"), 10,
+                    "STATUS=ready after the restart")
+    assert "restarts=2" in daemon.statuses()[-1]
+
+
+def test_sigterm_with_streams_outliving_a_short_drain_ends_at_the_deadline(
+        daemon: Daemon) -> None:
+    port = daemon.port  # type: ignore[attr-defined]
+    streams = [Stream(port, [300 + i] * 16, 2000, timeout=120) for i in range(8)]
+    for st in streams:
+        st.start()
+    for st in streams:
+        assert st.started.wait(60), st.outcome()
+    mark = daemon.mark()
+    t0 = time.monotonic()
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit(DRAIN_TIMEOUT + TERM_TIMEOUT + 30) == 0
+    t_exit = time.monotonic()
+    for st in streams:
+        st.join(30)
+    assert not any(st.is_alive() for st in streams)
+    timeout_ev = daemon.event("drain_timeout", mark)
+    drained = daemon.event("drained", mark)
+    kill = daemon.event("group_kill", mark)
+    record("sigterm_short_drain_stop", t_exit - t0,
+           drained=drained["seconds"] if drained else None,
+           kill_reason=kill["reason"] if kill else None,
+           clients="; ".join(sorted({f"done={st.done} finish={st.finish_reason} "
+                                     f"error={(st.error or '')[:50]}" for st in streams})))
+    assert timeout_ev is not None and drained is not None and drained["busy"] is True
+    assert drained["seconds"] >= DRAIN_TIMEOUT
+    assert drained["connections"] == 8, drained  # the gauges alone may read 0 here
+    # past the deadline nothing waits for the clients' connections (no 15 s term_timeout)
+    assert kill is None or not kill["reason"].startswith("still running"), kill
+    assert daemon.survivors() == []
