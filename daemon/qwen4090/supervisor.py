@@ -210,8 +210,11 @@ class Supervisor:
         self.hang = HangDetector(cfg.watch.hang_timeout)
         self.unhealthy_since: float | None = None
         self.last_metrics: MetricsResult | None = None
-        self.next_poll = now
-        self.next_canary = now + cfg.watch.canary_interval
+        self.next_poll = now  # loading and draining
+        # While serving: when the last poll and canary went out; the next are due one (live,
+        # reloadable) interval later, so a SIGHUP that shortens an interval acts at once.
+        self.last_poll = now
+        self.last_canary = now
         self.tasks: dict[str, _Task] = {}
         self.signals: deque[int] = deque()
         self.stop_phase: str | None = None  # drain -> term
@@ -521,8 +524,8 @@ class Supervisor:
         self.transition(now, S.READY, why)
         self.ready_since = now
         self.unhealthy_since = None
-        self.next_poll = now + self.cfg.watch.poll_interval
-        self.next_canary = now + self.cfg.watch.canary_interval
+        self.last_poll = now
+        self.last_canary = now
         status = self.status_line(now)
         if not self.ready_notified:
             self.p.notifier.ready(status)
@@ -545,18 +548,19 @@ class Supervisor:
     def step_ready(self, now: float) -> None:
         w = self.cfg.watch
         self.note_stable(now)
-        if now >= self.next_poll and "poll" not in self.tasks:
+        if now >= self.last_poll + w.poll_interval and "poll" not in self.tasks:
             self.submit(now, "poll", _PollJob(self._probe(), w.health_timeout))
-            self.next_poll = now + w.poll_interval
+            self.last_poll = now
         if self.check_poll_in_flight(now):
             return
-        if w.canary_interval > 0 and now >= self.next_canary and "canary" not in self.tasks \
+        if w.canary_interval > 0 and now >= self.last_canary + w.canary_interval \
+                and "canary" not in self.tasks \
                 and not (self.last_metrics and self._busy(self.last_metrics)):
             self.canary_base = progress_counter(self.last_metrics) if self.last_metrics else None
             self.canary_judged_at = now
             self.submit(now, "canary", _canary_job(self._probe(), w.canary_timeout,
                                                    w.health_timeout))
-            self.next_canary = now + w.canary_interval
+            self.last_canary = now
         canary = self.tasks.get("canary")
         if canary is not None and now - self.canary_judged_at > w.canary_timeout + 5:
             # Judged once per window: the tokens must have moved within each one.

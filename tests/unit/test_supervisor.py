@@ -745,10 +745,25 @@ def test_first_restart_after_a_stable_run_has_the_initial_backoff():
     h.step(1.0, n=10)
     # the canary that fails is harvested in the same step that crosses stable_after
     h.probe.canary_ok, h.probe.canary_error = False, True
-    h.sup.next_canary = h.clock.t
+    h.sup.last_canary = h.clock.t - 100.0
     h.step(0.1)
     h.step(40.0)
     assert h.sup.state == State.RESTARTING
     h.run_until(State.PREFLIGHT)
     delays = [kw["delay"] for _, e, kw in h.log.events if e == "restart_scheduled"]
     assert delays == [1.0, 2.0, 1.0]
+
+
+def test_reload_that_shortens_the_poll_interval_acts_from_the_last_poll():
+    h = Harness({"watch": {"poll_interval": 20.0, "canary_interval": 0.0}})
+    h.run_until(State.READY)
+    h.step(0.5, n=45)  # a poll went out; the next is ~20 s away
+    h.reload_to = from_dict({"watch": {"poll_interval": 1.0, "canary_interval": 0.0,
+                                       "unhealthy_timeout": 3.0}})
+    h.sup.deliver(signal.SIGHUP)
+    h.step(0.1)
+    h.probe.healthy = False
+    stopped = h.clock.t
+    h.run_until(State.RESTARTING, dt=0.25)
+    assert h.sup.failure.cause is Cause.UNHEALTHY
+    assert h.clock.t - stopped <= 3.0 + 1.0 + 0.5
