@@ -6,17 +6,20 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from tests.integration.harness import REPO, Daemon, cpu_config, free_port, write_toml
+from tests.integration.harness import REPO, Daemon, cpu_config, free_port, record, write_toml
 
 
 def run_to_exit(cfg: Path, tmp: Path, timeout: float) -> tuple[int, Daemon]:
     d = Daemon(cfg, tmp)
+    t0 = time.monotonic()
     try:
         rc = d.wait_exit(timeout)
     finally:
         d.close()
+    d.seconds = time.monotonic() - t0  # type: ignore[attr-defined]
     return rc, d
 
 
@@ -28,6 +31,10 @@ def test_vllm_exiting_0_is_restarted_then_budget_ends_in_75(tmp_path: Path) -> N
     rc, d = run_to_exit(cfg, tmp_path, 180)
     assert rc == 75
     exits = [e for e in d.events if e.get("event") == "child_exited"]
+    record("exit_0_loop_to_75", d.seconds, budget_failures=2)  # type: ignore[attr-defined]
+    spawned = [e for e in d.events if e.get("event") == "child_spawned"]
+    if len(spawned) >= 2:
+        record("exit_0_seen_to_respawn", spawned[1]["_t"] - exits[0]["_t"])
     assert [e["code"] for e in exits] == [0, 0]
     assert all(e["cause"] == "exit_0" for e in exits)
     assert d.event("restart_scheduled", cause="exit_0") is not None
@@ -53,6 +60,7 @@ def test_crashing_vllm_is_a_crash_loop(tmp_path: Path) -> None:
         restart={"budget_failures": 2, "backoff_initial": 0.2}))
     rc, d = run_to_exit(cfg, tmp_path, 240)
     assert rc == 75
+    record("crash_loop_to_75", d.seconds, budget_failures=2)  # type: ignore[attr-defined]
     exits = [e for e in d.events if e.get("event") == "child_exited"]
     assert len(exits) == 2 and all(e["code"] == 1 and e["cause"] == "crash" for e in exits)
     # child_exited is logged the moment the exit is seen; vLLM's last lines may still be on
@@ -67,9 +75,11 @@ def test_crashing_vllm_is_a_crash_loop(tmp_path: Path) -> None:
 
 def test_broken_config_exits_78_naming_the_key(tmp_path: Path) -> None:
     cfg = write_toml(tmp_path / "q.toml", cpu_config(free_port(), watch={"hang_timeout": -5}))
+    t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "qwen4090", "run", "--config", str(cfg)],
                           capture_output=True, text=True, timeout=60,
                           env={"PYTHONPATH": str(REPO / "daemon"), "PATH": "/usr/bin:/bin"})
+    record("bad_config_to_78", time.monotonic() - t0)
     assert proc.returncode == 78
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1
