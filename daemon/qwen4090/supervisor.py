@@ -549,7 +549,7 @@ class Supervisor:
         w = self.cfg.watch
         self.note_stable(now)
         if now >= self.last_poll + w.poll_interval and "poll" not in self.tasks:
-            self.submit(now, "poll", _PollJob(self._probe(), w.health_timeout))
+            self.submit(now, "poll", _PollJob(self._probe(), w.health_timeout, self.p.clock))
             self.last_poll = now
         if self.check_poll_in_flight(now):
             return
@@ -591,6 +591,10 @@ class Supervisor:
             return self.health_failing(now, poll.started, f"no answer within {timeout:g}s")
         if health is not None and not health.ok:
             return self.health_failing(now, poll.started, health.error)
+        sent = poll.job.metrics_sent
+        if health is not None and sent is not None and now - sent > timeout:
+            # /health answered, then the server stopped: /metrics is the newer probe
+            return self.health_failing(now, sent, f"/metrics: no answer within {timeout:g}s")
         return False
 
     def health_failing(self, now: float, since: float, error: str) -> bool:
@@ -619,7 +623,12 @@ class Supervisor:
         if health.ok and (stranger := self.stranger_on_port()) is not None:
             health = HealthResult(False, health.status, health.seconds,
                                   f"port answered by {stranger}, not by our vLLM")
-        if health.ok:
+        if health.ok and metrics.timed_out:
+            # the API server stopped answering between the two requests
+            if self.health_failing(now, self.task_started + health.seconds,
+                                   f"/metrics: {metrics.error}"):
+                return
+        elif health.ok:
             if self.unhealthy_since is not None:
                 self.log.info("health_recovered", after=round(now - self.unhealthy_since, 1))
             self.unhealthy_since = None
@@ -1083,14 +1092,18 @@ class _PollJob:
     """/health then /metrics; ``health`` is set as soon as the first answer is in, so the loop
     can tell an overdue /health from a slow /metrics while the job still runs."""
 
-    def __init__(self, probe: ProbeLike, timeout: float) -> None:
+    def __init__(self, probe: ProbeLike, timeout: float, clock: Callable[[], float]) -> None:
         self.probe = probe
         self.timeout = timeout
+        self.clock = clock
         self.health: HealthResult | None = None
+        self.metrics_sent: float | None = None
 
     def __call__(self) -> tuple[HealthResult, MetricsResult]:
-        self.health = self.probe.health(self.timeout)
-        return self.health, self.probe.metrics(self.timeout)
+        health = self.probe.health(self.timeout)
+        self.metrics_sent = self.clock()  # before ``health``: the loop reads them unlocked
+        self.health = health
+        return health, self.probe.metrics(self.timeout)
 
 
 def _canary_job(probe: ProbeLike, timeout: float, metrics_timeout: float

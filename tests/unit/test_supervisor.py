@@ -767,3 +767,35 @@ def test_reload_that_shortens_the_poll_interval_acts_from_the_last_poll():
     h.run_until(State.RESTARTING, dt=0.25)
     assert h.sup.failure.cause is Cause.UNHEALTHY
     assert h.clock.t - stopped <= 3.0 + 1.0 + 0.5
+
+
+def test_api_server_stopping_between_health_and_metrics_counts_from_the_metrics_request():
+    h = Harness({"watch": {"unhealthy_timeout": 3.0, "health_timeout": 1.0,
+                           "poll_interval": 1.0, "canary_interval": 0.0}})
+    h.run_until(State.READY)
+    stopped = h.clock.t
+    # the poll job runs its /health (ok) and is then stuck in /metrics
+    def hold(fn: Any) -> bool:
+        if is_poll(fn):
+            fn.health = h.probe.health(1.0)
+            fn.metrics_sent = h.clock.t
+            return True
+        return False
+    h.executor.hold = hold
+    h.run_until(State.RESTARTING, dt=0.25, limit=200)
+    assert h.sup.failure.cause is Cause.UNHEALTHY and "/metrics" in h.sup.failure.detail
+    assert h.clock.t - stopped <= 3.0 + 1.0 + 0.25
+
+
+def test_metrics_timeout_after_a_good_health_is_not_a_recovery():
+    h = Harness({"watch": {"unhealthy_timeout": 3.0}})
+    h.run_until(State.READY)
+    h.probe.healthy = False
+    h.step(1.0, n=2)
+    assert h.sup.unhealthy_since is not None
+    since = h.sup.unhealthy_since
+    h.probe.healthy = True
+    h.probe.metrics = lambda timeout: MetricsResult(  # type: ignore[method-assign]
+        False, {}, timeout, f"no answer within {timeout:g}s", timed_out=True)
+    h.step(1.0, n=2)
+    assert h.sup.unhealthy_since == since and "health_recovered" not in h.log.names()

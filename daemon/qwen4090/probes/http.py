@@ -31,6 +31,7 @@ class MetricsResult:
     values: dict[str, float] = field(default_factory=dict)  # family name -> sum over labels
     seconds: float = 0.0
     error: str = ""
+    timed_out: bool = False  # no answer in time (a stopped or stuck API server)
 
     def get(self, name: str, default: float = 0.0) -> float:
         return self.values.get(name, default)
@@ -96,7 +97,8 @@ class VllmProbe:
             finally:
                 conn.close()
         except Exception as e:  # never raise; e's text may hold a header: _why is safe
-            return MetricsResult(False, {}, self.clock() - start, _why(e, timeout))
+            return MetricsResult(False, {}, self.clock() - start, _why(e, timeout),
+                                 timed_out=isinstance(e, (socket.timeout, TimeoutError)))
         if status != 200:
             return MetricsResult(False, {}, self.clock() - start, f"HTTP {status}")
         return MetricsResult(True, parse_prometheus(body), self.clock() - start)
