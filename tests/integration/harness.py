@@ -260,6 +260,10 @@ class Daemon:
 
     def close(self) -> None:
         """Whatever happened, leave nothing running."""
+        keep = os.environ.get("QWEN4090_KEEP_LOGS")  # a folder: the daemon's log is kept there
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            (Path(keep) / f"daemon-{self.proc.pid}.log").write_text("\n".join(self.raw))
         self.descendants()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
