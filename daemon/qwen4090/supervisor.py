@@ -587,7 +587,8 @@ class Supervisor:
             return False
         health = poll.job.health
         timeout = self.cfg.watch.health_timeout
-        if health is None and now - poll.started > timeout:
+        if health is None and (now - poll.started > timeout or self.unhealthy_since is not None):
+            # already failing: the window keeps running while this probe has no answer either
             return self.health_failing(now, poll.started, f"no answer within {timeout:g}s")
         if health is not None and not health.ok:
             return self.health_failing(now, poll.started, health.error)
@@ -651,7 +652,7 @@ class Supervisor:
             if self.state == S.READY and stalled >= 2 * w.poll_interval:
                 self.transition(now, S.DEGRADED, f"no token progress for {stalled:.0f}s")
                 return
-        if self.state == S.DEGRADED and health.ok and stalled == 0:
+        if self.state == S.DEGRADED and health.ok and not metrics.timed_out and stalled == 0:
             self.transition(now, S.READY, "healthy again")
 
     def on_canary(self, now: float, res: tuple[MetricsResult, CompletionResult, MetricsResult]

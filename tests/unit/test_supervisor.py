@@ -799,3 +799,21 @@ def test_metrics_timeout_after_a_good_health_is_not_a_recovery():
         False, {}, timeout, f"no answer within {timeout:g}s", timed_out=True)
     h.step(1.0, n=2)
     assert h.sup.unhealthy_since == since and "health_recovered" not in h.log.names()
+
+
+def test_stale_good_health_with_overdue_metrics_is_no_recovery_and_the_window_runs_on():
+    # Seen on the real vLLM: the poll's /health was answered just before the SIGSTOP, its
+    # /metrics timed out; harvesting it flipped DEGRADED -> READY and the next probe's first
+    # health_timeout seconds went unjudged (restart 10 s after the stop, not 6 + 1).
+    h = Harness({"watch": {"unhealthy_timeout": 3.0, "health_timeout": 1.0,
+                           "poll_interval": 1.0, "canary_interval": 0.0}})
+    h.run_until(State.READY)
+    h.probe.metrics = lambda timeout: MetricsResult(  # type: ignore[method-assign]
+        False, {}, timeout, f"no answer within {timeout:g}s", timed_out=True)
+    stopped = h.clock.t
+    h.step(1.0)  # the poll: /health ok, /metrics overdue -> failing, dated from /metrics
+    held: list[Any] = []
+    h.executor.hold = lambda fn: is_poll(fn) and not held.append(fn)  # then nothing answers
+    h.run_until(State.RESTARTING, dt=0.25, limit=100)
+    assert ("degraded", "ready") not in h.transitions()
+    assert h.clock.t - stopped <= 3.0 + 1.0 + 0.5
