@@ -755,7 +755,8 @@ def test_first_restart_after_a_stable_run_has_the_initial_backoff():
 
 
 def test_reload_that_shortens_the_poll_interval_acts_from_the_last_poll():
-    h = Harness({"watch": {"poll_interval": 20.0, "canary_interval": 0.0}})
+    h = Harness({"watch": {"poll_interval": 20.0, "canary_interval": 0.0,
+                           "hang_timeout": 60.0, "unhealthy_timeout": 30.0}})
     h.run_until(State.READY)
     h.step(0.5, n=45)  # a poll went out; the next is ~20 s away
     h.reload_to = from_dict({"watch": {"poll_interval": 1.0, "canary_interval": 0.0,
