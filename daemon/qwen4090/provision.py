@@ -96,6 +96,32 @@ def venv_argv(python: str, venv: Path, system_site_packages: bool = False) -> li
             str(venv)]
 
 
+PARENT_PTH = "qwen4090-parent-venv.pth"
+
+
+def inherit_parent_venv(python: str, venv: Path) -> list[str]:
+    """--system-site-packages with an interpreter that is itself a venv: see that venv's packages.
+
+    `python -m venv --system-site-packages` links the new venv to the *base* interpreter's
+    site-packages, not to those of a venv the interpreter belongs to (measured on the lent H200,
+    whose python3 is /opt/torch/.venv: torch stayed invisible).  A .pth file in the new venv
+    names the parent venv's site-packages; returns them ([] when `python` is no venv).
+    """
+    probe = ("import site, sys\n"
+             "if sys.prefix != sys.base_prefix:\n"
+             "    print('\\n'.join(site.getsitepackages()))")
+    try:
+        res = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    parents = [line for line in res.stdout.splitlines() if line.strip()]
+    if res.returncode != 0 or not parents:
+        return []
+    for site_dir in sorted((venv / "lib").glob("python3*/site-packages")):
+        (site_dir / PARENT_PTH).write_text("\n".join(parents) + "\n")
+    return parents
+
+
 def install_runtime(venv: Path, package: str, version: str, wheelhouse: Path | None,
                     python: str, pip_args: Sequence[str] = (), runner: Runner = _run,
                     force: bool = False, system_site_packages: bool = False) -> str:
@@ -113,6 +139,8 @@ def install_runtime(venv: Path, package: str, version: str, wheelhouse: Path | N
             shutil.rmtree(venv, ignore_errors=True)
             raise ProvisionError(f"{python} -m venv {venv} failed; on Debian/Ubuntu install "
                                  "python3-venv")
+        if system_site_packages:
+            inherit_parent_venv(python, venv)
     elif not (venv / "bin" / "python").exists():
         raise ProvisionError(f"{venv} exists but is not a virtual environment; remove it or "
                              "pass --venv DIR")

@@ -208,3 +208,24 @@ def test_install_runtime_for_real_from_a_wheelhouse(tmp_path: Path) -> None:
     assert provision.installed_version(venv, "vllm") == "0.0.1"
     assert "already installed" in install_runtime(*args)
 
+
+
+def test_system_site_packages_from_a_venv_interpreter_sees_that_venv(tmp_path: Path) -> None:
+    """The H200's python3 is itself a venv (/opt/torch/.venv): its torch must stay visible."""
+    import subprocess
+    import sys
+
+    from qwen4090.provision import inherit_parent_venv, venv_argv
+
+    parent = tmp_path / "parent"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(parent)], check=True)
+    site_dir = next((parent / "lib").glob("python3*/site-packages"))
+    (site_dir / "only_in_parent.py").write_text("VALUE = 42\n")
+    child = tmp_path / "child"
+    subprocess.run(venv_argv(str(parent / "bin" / "python"), child, True)[:3]
+                   + ["--without-pip", str(child)], check=True)
+    probe = [str(child / "bin" / "python"), "-c", "import only_in_parent as m; print(m.VALUE)"]
+    assert subprocess.run(probe, capture_output=True).returncode != 0  # venv alone: invisible
+    assert inherit_parent_venv(str(parent / "bin" / "python"), child) == [str(site_dir)]
+    out = subprocess.run(probe, capture_output=True, text=True)
+    assert out.stdout.strip() == "42", out.stderr
