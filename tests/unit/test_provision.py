@@ -222,8 +222,8 @@ def test_system_site_packages_from_a_venv_interpreter_sees_that_venv(tmp_path: P
     site_dir = next((parent / "lib").glob("python3*/site-packages"))
     (site_dir / "only_in_parent.py").write_text("VALUE = 42\n")
     child = tmp_path / "child"
-    subprocess.run(venv_argv(str(parent / "bin" / "python"), child, True)[:3]
-                   + ["--without-pip", str(child)], check=True)
+    argv = venv_argv(str(parent / "bin" / "python"), child, True)
+    subprocess.run([*argv[:-1], "--without-pip", str(child)], check=True)
     probe = [str(child / "bin" / "python"), "-c", "import only_in_parent as m; print(m.VALUE)"]
     assert subprocess.run(probe, capture_output=True).returncode != 0  # venv alone: invisible
     assert inherit_parent_venv(str(parent / "bin" / "python"), child) == [str(site_dir)]
