@@ -148,9 +148,16 @@ def test_a_strangers_200_is_not_our_vllm(tmp_path: Path, daemons: list[Daemon]) 
     # Our vLLM listens on another port than the one we probe (a later --port wins), so a
     # stranger can answer on the probed port while our vLLM is alive and loading: the case
     # of a second supervisor's vLLM or a stray server answering 200 on "our" port.
+    # (config.py refuses a second --port in extra_args, so a wrapper appends it to the argv)
     port, real = free_port(), free_port()
+    wrapper = tmp_path / "vllm_on_another_port.py"
+    wrapper.write_text("import runpy, sys\n"
+                       f"sys.argv = [sys.argv[0], *sys.argv[1:], '--port', '{real}']\n"
+                       "runpy.run_module('vllm.entrypoints.openai.api_server', "
+                       "run_name='__main__', alter_sys=True)\n")
+    base = cpu_config(port)
     cfg = write_toml(tmp_path / "q.toml", cpu_config(port, vllm={
-        "extra_args": ["--load-format", "dummy", "--port", str(real)]}))
+        "command": [base["vllm"]["command"][0], str(wrapper)]}))
     d = Daemon(cfg, tmp_path)
     daemons.append(d)
     d.wait_event("child_spawned", 60)
