@@ -161,12 +161,12 @@ class VllmChild:
         clients.  A socket shared by two processes of the group is counted once.
         """
         try:
-            ours = {_endpoint(c.laddr) for c in psutil.Process().net_connections(kind="tcp")
+            ours = {_endpoint(c.laddr) for c in tcp_connections(psutil.Process())
                     if c.laddr}
             seen: set[tuple[tuple[str, int], tuple[str, int]]] = set()
             for pid in self.group_members():
                 try:
-                    conns = psutil.Process(pid).net_connections(kind="tcp")
+                    conns = tcp_connections(psutil.Process(pid))
                 except psutil.NoSuchProcess:
                     continue  # it left the group meanwhile: it holds nothing
                 for c in conns:
@@ -295,6 +295,12 @@ def kernel_oom_line(pid: int, kmsg: str = "/dev/kmsg", limit: int = 20000) -> st
     finally:
         os.close(fd)
     return found
+
+
+def tcp_connections(proc: psutil.Process) -> list[Any]:
+    """A process's TCP sockets (psutil >= 6: net_connections; Debian 12's 5.9: connections)."""
+    get = getattr(proc, "net_connections", None) or proc.connections
+    return list(get(kind="tcp"))
 
 
 def spawn(cfg: Config, on_line: LineSink, env: Mapping[str, str] | None = None,

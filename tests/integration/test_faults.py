@@ -62,8 +62,9 @@ def test_canary_behind_a_busy_queue_is_not_a_restart(daemon: Daemon) -> None:
     # Canaries every second, polls every 20 s: between two polls the supervisor believes the
     # engine idle and sends canaries, which queue behind the burst below (FCFS).
     drop = daemon.tmp / "conf.d" / "50-canary.toml"  # type: ignore[attr-defined]
+    # (config rules: hang_timeout >= 2 x poll_interval, unhealthy_timeout >= poll_interval)
     drop.write_text("[watch]\npoll_interval = 20.0\ncanary_interval = 1.0\n"
-                    "canary_timeout = 2.0\n")
+                    "canary_timeout = 2.0\nhang_timeout = 40.0\nunhealthy_timeout = 20.0\n")
     reloaded = reload(daemon)
     try:
         # the poll scheduled before the reload has run: the next one is ~20 s away

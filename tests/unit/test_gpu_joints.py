@@ -300,3 +300,24 @@ def test_plan_shows_what_the_daemon_learned_with_memory_gib_set(
     assert "ignored" not in out
     assert cli.main(["plan", "-c", str(conf), "--gpu-memory", "140"]) == 0  # same card
     assert "learned   max_num_seqs 32 -> 16" in capsys.readouterr().out
+
+
+def test_the_configured_venv_wins_over_the_default_one_found_at_import(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in the system test's guest: /opt/qwen4090/venv (another runtime) had a binding, and
+    the venv that vllm.command names was never asked."""
+    from types import SimpleNamespace
+
+    from qwen4090 import nvml_binding
+    from qwen4090.probes import nvml
+
+    default = tmp_path / "opt-venv"
+    monkeypatch.setattr(nvml_binding, "DEFAULT_VENV", default)
+    stale = SimpleNamespace(__file__=str(default / "lib" / "pynvml.py"))
+    monkeypatch.setattr(nvml, "pynvml", stale)
+    monkeypatch.setattr(nvml, "_initialized", False)
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not importable, as on Debian's python3
+    py = fake_venv(tmp_path / "venv")
+    assert nvml.bind([str(py), "-m", "vllm.entrypoints.openai.api_server"]) is None
+    assert nvml.pynvml is not stale
+    assert str(nvml.pynvml.__file__).startswith(str(tmp_path / "venv"))

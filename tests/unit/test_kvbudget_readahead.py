@@ -122,7 +122,9 @@ def test_cache_environment_defaults_under_the_cache_root() -> None:
 
 
 def test_units_put_vllms_caches_in_their_cache_directory_which_survives_upgrades() -> None:
-    deb = ROOT / "packaging" / "debian"
+    # packaging/debian in the repository; debian/ in the source package (autopkgtest)
+    deb = next((d for d in (ROOT / "packaging" / "debian", ROOT / "debian") if d.is_dir()),
+               ROOT / "packaging" / "debian")
     for unit, sub in (("qwen4090.service", ""), ("qwen4090@.service", "/%i")):
         text = (deb / unit).read_text()
         assert f"CacheDirectory=qwen4090{sub}\n" in text

@@ -45,15 +45,26 @@ def bind(command: Sequence[str]) -> str | None:
     """Find the binding for this config, once: importable, else in the venv of vLLM's
     interpreter (``vllm.command[0]``).  None when there is one, else why not (with the fix)."""
     global pynvml, _no_binding
-    if pynvml is not None:
+    if pynvml is not None and not _from_default_venv():
         return None
     venv = nvml_binding.runtime_venv(command)
+    if pynvml is not None and (_initialized or venv == nvml_binding.DEFAULT_VENV):
+        return None
+    # The venv vLLM is configured to run from wins over the default /opt/qwen4090/venv found
+    # at import (a system with both: the runtime the config names is the one that matches).
     found = nvml_binding.load_pynvml(venv)
+    if found is None and pynvml is not None:
+        return None
     if found is None:
         _no_binding = f"no NVML binding: pynvml is not importable and {venv} has none"
         return f"{_no_binding}; {INSTALL_HINT}"
     pynvml = found
     return None
+
+
+def _from_default_venv() -> bool:
+    where = str(getattr(pynvml, "__file__", "") or "")
+    return where.startswith(str(nvml_binding.DEFAULT_VENV) + "/")
 
 
 def binding() -> str:
