@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import psutil
 
 from qwen4090 import learned
+from qwen4090.child import tcp_connections
 from qwen4090.config import Config, ConfigError
 
 DEFAULT_RUNTIME_DIR = "/run/qwen4090"
@@ -343,9 +344,7 @@ def try_bind(host: str, port: int) -> OSError | None:
 
 
 def _proc_connections(pid: int) -> list[Any]:
-    p = psutil.Process(pid)
-    get = getattr(p, "net_connections", None) or p.connections  # psutil < 6 (Debian 12)
-    return list(get("tcp"))
+    return tcp_connections(psutil.Process(pid))  # one psutil-version shim, in child.py
 
 
 # --- I/O: the lock, the record, orphans ---------------------------------------------------------
