@@ -78,7 +78,9 @@ def test_sighup_when_ready_is_reloading_then_ready_also_when_refused(daemon: Dae
     mark = daemon.mark()
     daemon.signal(1)
     daemon.wait_event("reloaded", 30, after=mark, changed="watch")
-    reloading = datagrams(daemon, "RELOADING=1")
+    # The datagram and the log line reach the test by two threads (notify socket, stderr):
+    # RELOADING=1 is sent before "reloaded" is logged, but may be read after it.
+    reloading = daemon.wait_for(lambda: datagrams(daemon, "RELOADING=1"), 30, "RELOADING=1")
     assert len(reloading) == 1
     assert any(f.startswith("MONOTONIC_USEC=") for f in reloading[0][1])
     daemon.wait_for(lambda: len(datagrams(daemon, "READY=1")) == 2, 30, "READY=1 ending it")
