@@ -25,6 +25,7 @@ from types import ModuleType
 
 DEFAULT_VENV = Path("/opt/qwen4090/venv")
 CANDIDATES = ("pynvml.py", "vllm/third_party/pynvml.py")
+_FROM_VENV = "_qwen4090_loaded_from_venv"  # marks a module load_pynvml read from a venv's file
 
 
 def venv_of(command0: str) -> Path:
@@ -60,10 +61,13 @@ def runtime_candidates(venv: Path) -> list[Path]:
 
 def load_pynvml(venv: Path = DEFAULT_VENV) -> ModuleType | None:
     """pynvml, from the import path or from vLLM's runtime venv; None when neither has one."""
-    try:
-        return importlib.import_module("pynvml")
-    except ImportError:
-        pass
+    # A copy this function loaded from a venv before sits in sys.modules, where `import pynvml`
+    # would find it again: for another venv, that is the wrong one.
+    if not getattr(sys.modules.get("pynvml"), _FROM_VENV, False):
+        try:
+            return importlib.import_module("pynvml")
+        except ImportError:
+            pass
     for path in runtime_candidates(venv):
         spec = importlib.util.spec_from_file_location("pynvml", path)
         if spec is None or spec.loader is None:
@@ -71,6 +75,7 @@ def load_pynvml(venv: Path = DEFAULT_VENV) -> ModuleType | None:
         module = importlib.util.module_from_spec(spec)
         previous = sys.modules.get("pynvml")
         sys.modules["pynvml"] = module  # pynvml looks itself up there while it loads
+        setattr(module, _FROM_VENV, True)
         try:
             spec.loader.exec_module(module)
         except Exception:  # a broken copy: try the next one

@@ -114,9 +114,6 @@ enabled = false
 # --- 9.2: NVML from the package ---------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=False, reason="open bug: where /opt/qwen4090/venv also has a binding "
-                   "(the system test's guest), a fresh `plan` still reads that one, not the venv "
-                   "vllm.command names; see the stop note")
 def test_plan_finds_nvml_in_vllms_venv_without_its_own_pynvml(tmp_path: Path) -> None:
     """A fresh `qwen4090 plan` process whose Python cannot import pynvml, as on Debian."""
     py = fake_venv(tmp_path / "venv")

@@ -79,3 +79,25 @@ def test_the_real_runtime_has_one_that_loads(monkeypatch: pytest.MonkeyPatch) ->
     assert mod is not None and hasattr(mod, "nvmlInit")
     with pytest.raises(mod.NVMLError):  # no GPU driver on this machine
         mod.nvmlInit()
+
+
+def test_a_second_venv_is_loaded_although_the_first_venvs_copy_sits_in_sys_modules(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Debian's python3 with /opt/qwen4090/venv present: the copy found there at import lands in
+    sys.modules['pynvml'], and `import pynvml` then returns it for every later venv (seen in the
+    system test's guest: a `plan` for another venv read /opt's binding)."""
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+    real_import = nvml_binding.importlib.import_module
+
+    def debian_import(name: str) -> object:  # no pynvml on the path; sys.modules still counts
+        if name == "pynvml" and sys.modules.get("pynvml") is None:
+            raise ImportError(name)
+        return real_import(name)
+
+    monkeypatch.setattr(nvml_binding.importlib, "import_module", debian_import)
+    first = nvml_binding.load_pynvml(fake_venv(tmp_path / "opt", "pynvml.py", FAKE_PYNVML))
+    second_venv = fake_venv(tmp_path / "other", "pynvml.py", FAKE_PYNVML + "WHO = 'other'\n")
+    second = nvml_binding.load_pynvml(second_venv)
+    assert first is not None and second is not None
+    assert second.__file__ == str(second_venv / "lib/python3.11/site-packages/pynvml.py")
+    assert getattr(second, "WHO", None) == "other"
