@@ -137,6 +137,37 @@ do_install() {
             2>&1 | tail -n1 | tee -a "$OUT/install-runtime.log"
     fi
     cat "$VENV/qwen4090-runtime.json" >>"$OUT/install-runtime.log" 2>/dev/null
+    if [ "$DRY" != 1 ] && ! "$VENV/bin/python" -c 'import compressed_tensors, loguru' 2>/dev/null; then
+        # --quantization fp8 needs them (the kit carries them as fallbacks)
+        "$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile \
+            "$BUNDLE"/whl_extra/compressed_tensors-*.whl "$BUNDLE"/whl_extra/loguru-*.whl \
+            2>&1 | tail -n 3 | tee -a "$OUT/install-runtime.log"
+    fi
+    # Triton builds its CUDA stub with $CC at the first kernel; a later image of the H200 could
+    # not link any shared object ("ld: cannot find /lib/x86_64-linux-gnu/libc.so.6", the file
+    # exists: the absolute paths of glibc's libc.so linker script). Probe it; where only a copy of
+    # that script with relative names links, vLLM gets a CC that puts it first.
+    VLLM_CC=
+    if [ "$DRY" != 1 ]; then
+        echo 'int f(void){return 1;}' >/tmp/qwen4090-cc.c
+        cc0=${CC:-gcc}
+        if "$cc0" -shared -fPIC /tmp/qwen4090-cc.c -o /tmp/qwen4090-cc.so 2>"$OUT/cc-probe.txt"; then
+            log "the C compiler links shared objects ($cc0)"
+        else
+            mkdir -p /usr/local/lib/qwen4090-ldfix
+            printf 'OUTPUT_FORMAT(elf64-x86-64)\nGROUP ( libc.so.6 libc_nonshared.a AS_NEEDED ( ld-linux-x86-64.so.2 ) )\n' \
+                >/usr/local/lib/qwen4090-ldfix/libc.so
+            printf '#!/bin/sh\nexec %s "$@" -L/usr/local/lib/qwen4090-ldfix -L/lib/x86_64-linux-gnu -L/usr/lib/x86_64-linux-gnu -L/lib64\n' \
+                "$(command -v "$cc0")" >/usr/local/bin/qwen4090-cc
+            chmod 755 /usr/local/bin/qwen4090-cc
+            if /usr/local/bin/qwen4090-cc -shared -fPIC /tmp/qwen4090-cc.c -o /tmp/qwen4090-cc.so 2>>"$OUT/cc-probe.txt"; then
+                VLLM_CC=/usr/local/bin/qwen4090-cc
+                log "the image's linker fails on glibc's libc.so script; vLLM gets CC=$VLLM_CC (relative copy of it): $(head -c 200 "$OUT/cc-probe.txt")"
+            else
+                log "no C compiler here links a shared object; Triton will fail: $(tail -c 300 "$OUT/cc-probe.txt" | tr '\n' ' ')"
+            fi
+        fi
+    fi
 
     log "fetch-model --from-dir $MODEL_SRC (config + tokenizer; weights: --load-format dummy)"
     q fetch-model model --from-dir "$MODEL_SRC" --dest "$LIB/models/model" --force 2>&1 | tee "$OUT/fetch-model.log"
@@ -179,7 +210,8 @@ max_model_len = 8192
 max_num_seqs = 8
 max_num_batched_tokens = 8192
 extra_args = ["--load-format", "dummy"]
-env = { VLLM_USE_FLASHINFER_SAMPLER = "0", HF_HUB_OFFLINE = "1", TRANSFORMERS_OFFLINE = "1" }
+env = { VLLM_USE_FLASHINFER_SAMPLER = "0", HF_HUB_OFFLINE = "1", TRANSFORMERS_OFFLINE = "1"${VLLM_CC:+, CC = \"$VLLM_CC\"} }
+enforce_eager = ${QWEN4090_GPU_EAGER:-false}
 [warmup]
 lengths = [16, 1024, 4096]
 concurrency = [1, 8]
