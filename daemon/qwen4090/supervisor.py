@@ -824,19 +824,29 @@ class Supervisor:
                 self.begin_kill(now, hurry="the drain deadline passed" if busy and expired
                                 else None)
                 return
-            if now >= self.next_poll and "drain" not in self.tasks:
-                self.submit(now, "drain", _drain_job(self._probe(), self.child,
-                                                     self.launch_cfg.vllm.port,
-                                                     self.cfg.watch.health_timeout))
+            if now >= self.next_poll:
+                # Two tasks: the connection count is local and quick, the gauges need an
+                # answer from an API server that may be too busy to accept one in time.
+                if "drain" not in self.tasks:
+                    self.submit(now, "drain", _drain_job(self.child, self.launch_cfg.vllm.port))
+                if "drain_gauges" not in self.tasks:
+                    self.submit(now, "drain_gauges", _drain_gauges_job(
+                        self._probe(), self.cfg.watch.health_timeout))
                 self.next_poll = now + STOP_POLL_INTERVAL
             return
         if self.reap_group(now):
             self.child = None
             self.finish_stop(now)
 
-    def on_drain(self, now: float, res: DrainSample) -> None:
-        # Each sample replaces the last; what it cannot tell stays "busy" (policy.drain_busy).
-        self.drain_sample = res
+    def on_drain(self, now: float, connections: int | None) -> None:
+        # Each part of a sample replaces its own last value; what cannot be told stays "busy"
+        # (policy.drain_busy).
+        last = self.drain_sample or DrainSample(None, None, None)
+        self.drain_sample = DrainSample(connections, last.running, last.waiting)
+
+    def on_drain_gauges(self, now: float, gauges: tuple[float | None, float | None]) -> None:
+        last = self.drain_sample or DrainSample(None, None, None)
+        self.drain_sample = DrainSample(last.connections, *gauges)
 
     def finish_stop(self, now: float) -> None:
         self.exit_code = EX_OK
@@ -1114,14 +1124,15 @@ def _canary_job(probe: ProbeLike, timeout: float, metrics_timeout: float
                     probe.metrics(metrics_timeout))
 
 
-def _drain_job(probe: ProbeLike, child: ChildLike, port: int, timeout: float
-               ) -> Callable[[], DrainSample]:
-    def job() -> DrainSample:
-        connections = child.client_connections(port)
+def _drain_job(child: ChildLike, port: int) -> Callable[[], int | None]:
+    return lambda: child.client_connections(port)
+
+
+def _drain_gauges_job(probe: ProbeLike, timeout: float
+                      ) -> Callable[[], tuple[float | None, float | None]]:
+    def job() -> tuple[float | None, float | None]:
         m = probe.metrics(timeout)
-        if not m.ok:
-            return DrainSample(connections, None, None)
-        return DrainSample(connections, m.get(RUNNING), m.get(WAITING))
+        return (m.get(RUNNING), m.get(WAITING)) if m.ok else (None, None)
     return job
 
 

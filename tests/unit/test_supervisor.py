@@ -493,6 +493,21 @@ def test_drain_that_cannot_tell_is_busy_until_the_deadline():
     assert h.clock.t - stop <= 5.0 + 2.0 + 1.0
 
 
+def test_drain_counts_connections_while_the_metrics_probe_hangs():
+    # A busy API server may not even accept the /metrics connection in time (seen in CI: no
+    # drain sample at all by the deadline); the local connection count must not wait for it.
+    h = Harness({"stop": {"drain_timeout": 3.0, "term_timeout": 30.0}})
+    h.run_until(State.READY)
+    h.child.connections = 8
+    h.executor.hold = lambda fn: "_drain_gauges_job" in getattr(fn, "__qualname__", "")
+    h.sup.deliver(signal.SIGTERM)
+    h.step(0.1)
+    h.run_until(State.STOPPED, dt=0.25)
+    drained = next(kw for _, e, kw in h.log.events if e == "drained")
+    assert drained["busy"] is True and drained["connections"] == 8
+    assert drained["running"] is None and drained["seconds"] >= 3.0
+
+
 def test_api_server_waiting_for_connections_after_its_engine_is_gone_is_killed():
     # The restart of a failed canary: TERM ends the EngineCore, the API server lingers.
     h = Harness({"stop": {"term_timeout": 15.0}})
