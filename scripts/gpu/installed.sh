@@ -294,8 +294,12 @@ sup = psutil.Process(int(sys.argv[1]))
 for p in [sup, *sup.children(recursive=True)]:
     with open(f"/proc/{p.pid}/oom_score_adj") as f:
         adj = f.read().strip()
-    print(p.pid, p.username(), "oom_score_adj", adj, "nofile", p.rlimit(psutil.RLIMIT_NOFILE),
-          " ".join(p.cmdline())[:120])
+    # /proc/PID/limits, not psutil's rlimit: prlimit() on another user's process is refused
+    # in the H200's VM even as root (seen on 2026-12-01)
+    with open(f"/proc/{p.pid}/limits") as f:
+        nofile = next((" ".join(ln.split()[3:5]) for ln in f if ln.startswith("Max open files")),
+                      "?")
+    print(p.pid, p.username(), "oom_score_adj", adj, "nofile", nofile, " ".join(p.cmdline())[:120])
 PY
     log "processes: $(cut -d' ' -f1-6 "$OUT/procs.txt" | tr '\n' '|')"
 
