@@ -161,8 +161,8 @@ class VllmChild:
         clients.  A socket shared by two processes of the group is counted once.
         """
         try:
-            ours = {_endpoint(c.laddr) for c in tcp_connections(psutil.Process())
-                    if c.laddr}
+            me = psutil.Process()
+            ours = {_endpoint(c.laddr) for c in tcp_connections(me) if c.laddr}
             seen: set[tuple[tuple[str, int], tuple[str, int]]] = set()
             for pid in self.group_members():
                 try:
@@ -173,13 +173,12 @@ class VllmChild:
                     if c.status != psutil.CONN_ESTABLISHED or not c.laddr or not c.raddr \
                             or c.laddr.port != port:
                         continue
-                    peer = _endpoint(c.raddr)
-                    if peer in ours:
-                        continue
-                    seen.add((_endpoint(c.laddr), peer))
+                    seen.add((_endpoint(c.laddr), _endpoint(c.raddr)))
+            # ours before and after the group's: a probe thread's socket opened meanwhile
+            ours |= {_endpoint(c.laddr) for c in tcp_connections(me) if c.laddr}
         except (psutil.Error, OSError):
             return None
-        return len(seen)
+        return sum(1 for _, peer in seen if peer not in ours)
 
     def oom_evidence(self) -> str | None:
         """What the kernel says about an OOM kill of this tree (cgroup counter, kernel log)."""

@@ -197,6 +197,7 @@ class Supervisor:
         self.hurry: str | None = None  # why SIGKILL follows SIGTERM after KILL_GRACE
         self.engine_gone_at: float | None = None
         self.drain_sample: DrainSample | None = None
+        self.drain_counted = False  # the gauges were read since the last connection count
         self.task_started = now  # when the task whose result is being handled was submitted
         self.canary_base: float | None = None  # progress counter when the canary was judged
         self.canary_judged_at = now  # start of the window in which a stuck canary is judged
@@ -826,12 +827,16 @@ class Supervisor:
                 return
             if now >= self.next_poll:
                 # Two tasks: the connection count is local and quick, the gauges need an
-                # answer from an API server that may be too busy to accept one in time.
-                if "drain" not in self.tasks:
-                    self.submit(now, "drain", _drain_job(self.child, self.launch_cfg.vllm.port))
-                if "drain_gauges" not in self.tasks:
-                    self.submit(now, "drain_gauges", _drain_gauges_job(
-                        self._probe(), self.cfg.watch.health_timeout))
+                # answer from an API server that may be too busy to accept one in time.  They
+                # never overlap: the gauges' own connection must not be counted as a client.
+                if "drain" not in self.tasks and "drain_gauges" not in self.tasks:
+                    if self.drain_sample is None or self.drain_counted:
+                        self.drain_counted = False
+                        self.submit(now, "drain", _drain_job(self.child,
+                                                             self.launch_cfg.vllm.port))
+                    else:
+                        self.submit(now, "drain_gauges", _drain_gauges_job(
+                            self._probe(), self.cfg.watch.health_timeout))
                 self.next_poll = now + STOP_POLL_INTERVAL
             return
         if self.reap_group(now):
@@ -843,10 +848,12 @@ class Supervisor:
         # (policy.drain_busy).
         last = self.drain_sample or DrainSample(None, None, None)
         self.drain_sample = DrainSample(connections, last.running, last.waiting)
+        self.next_poll = now  # the gauges next, at once
 
     def on_drain_gauges(self, now: float, gauges: tuple[float | None, float | None]) -> None:
         last = self.drain_sample or DrainSample(None, None, None)
         self.drain_sample = DrainSample(last.connections, *gauges)
+        self.drain_counted = True  # a count next
 
     def finish_stop(self, now: float) -> None:
         self.exit_code = EX_OK

@@ -442,7 +442,7 @@ def test_stop_escalates_to_sigkill_after_term_timeout():
     h.child.ignores_term = True  # and its EngineCore stays: nothing says "hurry"
     h.sup.deliver(signal.SIGTERM)
     h.step(0.1)
-    h.step(0.1)  # the drain sample: idle
+    h.step(0.1, n=2)  # the drain sample, in two parts (connections, then gauges): idle
     assert h.child.signals == [signal.SIGTERM, signal.SIGCONT]
     term = h.clock.t
     h.run_until(State.STOPPED, dt=0.25)
@@ -506,6 +506,20 @@ def test_drain_counts_connections_while_the_metrics_probe_hangs():
     drained = next(kw for _, e, kw in h.log.events if e == "drained")
     assert drained["busy"] is True and drained["connections"] == 8
     assert drained["running"] is None and drained["seconds"] >= 3.0
+
+
+def test_drain_count_and_gauges_never_overlap():
+    # The gauges' own HTTP connection to vLLM must not be counted as a client (seen: 9 for 8).
+    h = Harness({"stop": {"drain_timeout": 3.0, "term_timeout": 30.0}})
+    h.run_until(State.READY)
+    h.child.connections = 8
+    held: list[Any] = []
+    h.executor.hold = lambda fn: "_drain_gauges_job" in getattr(fn, "__qualname__", "") \
+        and not held.append(fn)
+    h.sup.deliver(signal.SIGTERM)
+    h.step(0.1, n=6)
+    assert len(held) == 1  # in flight: no count is started beside it
+    assert set(h.sup.tasks) == {"drain_gauges"}
 
 
 def test_api_server_waiting_for_connections_after_its_engine_is_gone_is_killed():
