@@ -479,8 +479,8 @@ def gpu_memory(cfg: Config) -> GpuMemory | str:
     """The GPU that the plan and the learned settings are for: gpu.memory_gib, else NVML (with
     the binding of vllm.command's venv); a str says why there is none.
 
-    The daemon's preflight (gpu.py) and `qwen4090 plan` both call this, so both see the same
-    GPU under the same name and :func:`fingerprint` agrees between them.
+    The daemon's preflight and `qwen4090 plan` both get it through launch.read_facts, so both
+    see the same GPU under the same name and launch.fingerprint agrees between them.
     """
     if cfg.gpu.memory_gib:
         return manual_gpu(cfg.gpu.memory_gib, "gpu.memory_gib")
@@ -491,16 +491,6 @@ def gpu_memory(cfg: Config) -> GpuMemory | str:
     if isinstance(mem, str):
         return mem
     return GpuMemory(mem.usable, mem.name, "NVML total - reserved", mem.free)
-
-
-def fingerprint(cfg: Config, gpu: GpuMemory | str) -> dict[str, Any]:
-    """What learned settings belong to (the one function for the daemon and `plan`): the
-    model's memory settings and the GPU; no GPU when gpu.enabled = "off" or none is known."""
-    from qwen4090 import learned
-
-    if cfg.gpu.enabled == "off" or isinstance(gpu, str):
-        return learned.fingerprint(cfg, "", 0)
-    return learned.fingerprint(cfg, gpu.name, gpu.total_bytes)
 
 
 def gpu_memory_from(args_gib: float | None, cfg: Config) -> GpuMemory | str:
@@ -526,6 +516,7 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
                  "cannot fit")(_plan_args)
 def cmd_plan(args: argparse.Namespace) -> int:
     from qwen4090 import config as config_mod
+    from qwen4090 import launch as launch_mod
     from qwen4090 import learned
 
     try:
@@ -544,17 +535,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if isinstance(gpu, str):
         print(f"qwen4090: plan: {gpu}", file=sys.stderr)
         return 1
-    store = learned.LearnedStore(learned.state_dir(cfg))
-    cfg, applied = store.apply(cfg, fingerprint(cfg, gpu))
-    plan = make_plan(cfg, model, gpu)
+    # The daemon's own resolver, on the same facts: what the next launch gets, and why.
+    launch = launch_mod.resolve(cfg, launch_mod.read_facts(cfg, os.environ, gpu, model))
+    plan = launch.plan
+    assert plan is not None  # the GPU and the model are known
     if args.json:
         out = plan.as_json()
-        out["learned"] = applied
+        out["learned"] = list(launch.learned)
+        out["argv"] = list(launch.argv)
+        out["settings"] = {k: s.as_json() for k, s in launch.settings.items()}
+        out["fingerprint"] = launch.fingerprint
+        out["kv_budget"] = launch.kv_note
         print(json.dumps(out, indent=2))
     else:
-        for a in applied:
-            print(f"learned   {a} (from {store.path}; qwen4090 reset-learned forgets it)")
-        print(render(plan, cfg))
+        learned_file = learned.state_dir(cfg) / learned.FILE_NAME
+        for a in launch.learned:
+            print(f"learned   {a} (from {learned_file}; qwen4090 reset-learned forgets it)")
+        print(render(plan, launch.config))
+        if launch.kv_note:
+            print(f"kv budget {launch.kv_note}")
+        if cfg.gpu.enabled == "off":
+            print("note: gpu.enabled = \"off\": the daemon launches without this plan's "
+                  "choices")
+        print(f"argv      {' '.join(launch.argv)}")
     return 0 if plan.fits else 78
 
 
