@@ -32,17 +32,14 @@ than PLAN_TOLERANCE), or a budget that leaves no room for what vLLM uses outside
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qwen4090.cli import _config_arg, command, config_error
 from qwen4090.config import AUTO, Config, ConfigError, read_regular_file
 
 GIB = 1024 ** 3
@@ -466,7 +463,7 @@ def render(plan: Plan, cfg: Config) -> str:
     return "\n".join(lines)
 
 
-# --- CLI ----------------------------------------------------------------------------------------
+# --- the GPU the plan is for --------------------------------------------------------------------
 
 
 def manual_gpu(gib: float, source: str) -> GpuMemory:
@@ -501,86 +498,3 @@ def gpu_memory_from(args_gib: float | None, cfg: Config) -> GpuMemory | str:
     if isinstance(mem, str):
         return f"no GPU memory size: {mem}; or pass --gpu-memory GIB (e.g. 24 for an RTX 4090)"
     return mem
-
-
-def _plan_args(p: argparse.ArgumentParser) -> None:
-    _config_arg(p)
-    p.add_argument("--model", help="model directory (default: vllm.model of the config)")
-    p.add_argument("--gpu-memory", type=float, metavar="GIB",
-                   help="plan for a GPU with this much memory instead of reading NVML "
-                        "(e.g. 24 for an RTX 4090)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-
-
-@command("plan", "show the KV-cache account for the config on this GPU; exit 78 if it "
-                 "cannot fit")(_plan_args)
-def cmd_plan(args: argparse.Namespace) -> int:
-    from qwen4090 import config as config_mod
-    from qwen4090 import launch as launch_mod
-    from qwen4090 import learned
-
-    try:
-        cfg = config_mod.load(args.config) if Path(args.config).exists() or \
-            args.model is None else Config()
-    except ConfigError as e:
-        return config_error(e)
-    if args.model:
-        cfg = dataclasses.replace(cfg, vllm=dataclasses.replace(cfg.vllm, model=args.model))
-    try:
-        model = read_model(cfg.vllm.model)
-    except PlanError as e:
-        print(f"qwen4090: plan: {e}", file=sys.stderr)
-        return 78
-    gpu = gpu_memory_from(args.gpu_memory, cfg)
-    if isinstance(gpu, str):
-        print(f"qwen4090: plan: {gpu}", file=sys.stderr)
-        return 1
-    # The daemon's own resolver, on the same facts: what the next launch gets, and why.
-    launch = launch_mod.resolve(cfg, launch_mod.read_facts(cfg, os.environ, gpu, model))
-    plan = launch.plan
-    assert plan is not None  # the GPU and the model are known
-    if args.json:
-        out = plan.as_json()
-        out["learned"] = list(launch.learned)
-        out["argv"] = list(launch.argv)
-        out["settings"] = {k: s.as_json() for k, s in launch.settings.items()}
-        out["fingerprint"] = launch.fingerprint
-        out["kv_budget"] = launch.kv_note
-        print(json.dumps(out, indent=2))
-    else:
-        learned_file = learned.state_dir(cfg) / learned.FILE_NAME
-        for a in launch.learned:
-            print(f"learned   {a} (from {learned_file}; qwen4090 reset-learned forgets it)")
-        print(render(plan, launch.config))
-        if launch.kv_note:
-            print(f"kv budget {launch.kv_note}")
-        if cfg.gpu.enabled == "off":
-            print("note: gpu.enabled = \"off\": the daemon launches without this plan's "
-                  "choices")
-        print(f"argv      {' '.join(launch.argv)}")
-    return 0 if plan.fits else 78
-
-
-def _reset_args(p: argparse.ArgumentParser) -> None:
-    _config_arg(p)
-
-
-@command("reset-learned", "forget the settings learned from out-of-memory restarts")(_reset_args)
-def cmd_reset_learned(args: argparse.Namespace) -> int:
-    from qwen4090 import config as config_mod
-    from qwen4090 import learned
-
-    try:
-        cfg = config_mod.load(args.config) if Path(args.config).exists() else Config()
-    except ConfigError as e:
-        return config_error(e)
-    store = learned.LearnedStore(learned.state_dir(cfg))
-    try:
-        removed = store.reset()
-    except OSError as e:
-        print(f"qwen4090: reset-learned: cannot remove {store.path}: {e.strerror}",
-              file=sys.stderr)
-        return 1
-    print(f"forgot {', '.join(removed)} ({store.path})" if removed
-          else f"nothing learned ({store.path})")
-    return 0
