@@ -382,3 +382,23 @@ def test_daemon_and_plan_resolve_the_same_launch(
     h.run_until(State.STARTING)
     assert [render_argv(c.vllm) for c in launches] == [out["argv"]]
     assert h.sup.launch.fingerprint == out["fingerprint"]
+
+
+def test_with_the_gpu_off_plan_shows_the_account_but_the_daemons_argv(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """gpu.enabled = "off": the daemon never plans, so "auto" stays vLLM's; `plan` still shows
+    the account for a given size, and says that the launch does not use its choices."""
+    from qwen4090.config import load
+    from qwen4090.launch import Origin
+
+    conf = write_config(tmp_path, sys.executable, gpu_keys='enabled = "off"')
+    conf.write_text(conf.read_text().replace("max_model_len = 8192", 'max_model_len = "auto"'))
+    daemon = gpu.GpuParts(Log(), env={}).launch(load(conf))
+    assert daemon.plan is None and "--max-model-len" not in daemon.argv
+    assert daemon.settings["max_model_len"].origin is Origin.CONFIGURED
+    assert cli.main(["plan", "-c", str(conf), "--gpu-memory", "140", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_model_len"] > 0 and out["chosen"]["max_model_len"]  # the account
+    assert out["argv"] == list(daemon.argv) and out["fingerprint"] == daemon.fingerprint
+    assert cli.main(["plan", "-c", str(conf), "--gpu-memory", "140"]) == 0
+    assert 'gpu.enabled = "off"' in capsys.readouterr().out
