@@ -284,7 +284,7 @@ def _load_plugins() -> None:
     """Modules that register more subcommands (each optional until it exists)."""
     import importlib
 
-    for name in ("qwen4090.provision", "qwen4090.launch", "qwen4090.statuscmd",
+    for name in ("qwen4090.provision", "qwen4090.plancmd", "qwen4090.statuscmd",
                  "qwen4090.bench"):
         try:
             importlib.import_module(name)

@@ -11,18 +11,13 @@ fingerprint and the same argv.  Each step works on the result of the one before:
 4. the fixed KV budget of the last good start (``restart.fixed_kv_budget``, kvbudget.py).
 
 :func:`resolve` is pure (facts in, a :class:`Launch` out); :func:`read_facts` does the I/O.
-The commands that show and reset what a launch gets live here too: ``plan`` (here rather than
-in plan.py, so that plan.py, pure arithmetic, imports nothing back) and ``reset-learned``.
+The commands that show and reset what a launch gets, ``plan`` and ``reset-learned``, are
+plancmd.py's.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import enum
-import json
-import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +25,7 @@ from typing import Any
 
 from qwen4090 import kvbudget, learned, plan
 from qwen4090.child import render_argv
-from qwen4090.cli import _config_arg, command, config_error
-from qwen4090.config import Config, ConfigError
+from qwen4090.config import Config
 from qwen4090.plan import GpuMemory, ModelFacts, Plan
 
 # The limits a launch may get from somewhere other than the config.
@@ -153,86 +147,3 @@ def _changed(before: Config, after: Config) -> list[str]:
     if before is after:
         return []
     return [k for k in LIMIT_KEYS if getattr(before.vllm, k) != getattr(after.vllm, k)]
-
-
-# --- `qwen4090 plan`: the launch and the KV-cache account, as the daemon's next start sees them
-
-
-def _plan_args(p: argparse.ArgumentParser) -> None:
-    _config_arg(p)
-    p.add_argument("--model", help="model directory (default: vllm.model of the config)")
-    p.add_argument("--gpu-memory", type=float, metavar="GIB",
-                   help="plan for a GPU with this much memory instead of reading NVML "
-                        "(e.g. 24 for an RTX 4090)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-
-
-@command("plan", "show the KV-cache account for the config on this GPU; exit 78 if it "
-                 "cannot fit")(_plan_args)
-def cmd_plan(args: argparse.Namespace) -> int:
-    from qwen4090 import config as config_mod
-
-    try:
-        cfg = config_mod.load(args.config) if Path(args.config).exists() or \
-            args.model is None else Config()
-    except ConfigError as e:
-        return config_error(e)
-    if args.model:
-        cfg = dataclasses.replace(cfg, vllm=dataclasses.replace(cfg.vllm, model=args.model))
-    try:
-        model = plan.read_model(cfg.vllm.model)
-    except plan.PlanError as e:
-        print(f"qwen4090: plan: {e}", file=sys.stderr)
-        return 78
-    gpu = plan.gpu_memory_from(args.gpu_memory, cfg)
-    if isinstance(gpu, str):
-        print(f"qwen4090: plan: {gpu}", file=sys.stderr)
-        return 1
-    # The daemon's own resolver, on the same facts: what the next launch gets, and why.
-    launch = resolve(cfg, read_facts(cfg, os.environ, gpu, model))
-    account = launch.plan
-    assert account is not None  # the GPU and the model are known
-    if args.json:
-        out = account.as_json()
-        out["learned"] = list(launch.learned)
-        out["argv"] = list(launch.argv)
-        out["settings"] = {k: s.as_json() for k, s in launch.settings.items()}
-        out["fingerprint"] = launch.fingerprint
-        out["kv_budget"] = launch.kv_note
-        print(json.dumps(out, indent=2))
-    else:
-        learned_file = learned.state_dir(cfg) / learned.FILE_NAME
-        for a in launch.learned:
-            print(f"learned   {a} (from {learned_file}; qwen4090 reset-learned forgets it)")
-        print(plan.render(account, launch.config))
-        if launch.kv_note:
-            print(f"kv budget {launch.kv_note}")
-        if cfg.gpu.enabled == "off":
-            print("note: gpu.enabled = \"off\": the daemon launches without this plan's "
-                  "choices")
-        print(f"argv      {' '.join(launch.argv)}")
-    return 0 if account.fits else 78
-
-
-def _reset_args(p: argparse.ArgumentParser) -> None:
-    _config_arg(p)
-
-
-@command("reset-learned", "forget the settings learned from out-of-memory restarts")(_reset_args)
-def cmd_reset_learned(args: argparse.Namespace) -> int:
-    from qwen4090 import config as config_mod
-
-    try:
-        cfg = config_mod.load(args.config) if Path(args.config).exists() else Config()
-    except ConfigError as e:
-        return config_error(e)
-    store = learned.LearnedStore(learned.state_dir(cfg))
-    try:
-        removed = store.reset()
-    except OSError as e:
-        print(f"qwen4090: reset-learned: cannot remove {store.path}: {e.strerror}",
-              file=sys.stderr)
-        return 1
-    print(f"forgot {', '.join(removed)} ({store.path})" if removed
-          else f"nothing learned ({store.path})")
-    return 0
