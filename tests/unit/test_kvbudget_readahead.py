@@ -155,3 +155,20 @@ def test_units_put_vllms_caches_in_their_cache_directory_which_survives_upgrades
     guard_line = postrm[:guard].count("\n")
     removals = [i for i, line in code if "rm " in line and "/var/cache/qwen4090" in line]
     assert removals and all(i > guard_line for i in removals)
+
+
+def test_the_daemons_gpu_part_records_and_forgets_by_the_launch(tmp_path: Path) -> None:
+    """cli.py's timeline hooks: remember at READY, forget after a failed start given it."""
+    from qwen4090.gpu import GpuParts
+
+    c = from_dict({"vllm": {"model": "/m"}, "restart": {"fixed_kv_budget": True},
+                   "gpu": {"enabled": "off", "state_directory": str(tmp_path)}})
+    parts = GpuParts(Log(), env={})
+    first = parts.launch(c)
+    assert first.kv_budget is None and parts.remember_kv(first, ready())
+    assert not parts.forget_kv(first)  # it profiled: nothing to blame on the budget
+    second = parts.launch(c)
+    assert second.kv_budget == 4 * GIB and FLAG in second.argv
+    assert not parts.remember_kv(second, ready(3 * GIB))  # given the budget: not re-recorded
+    assert parts.forget_kv(second) and not (tmp_path / "kv_budget.json").exists()
+    assert parts.launch(c).kv_budget is None
