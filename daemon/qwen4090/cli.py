@@ -177,30 +177,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     why = gpu.wait_for_driver(cfg, notifier.extend_timeout)
     if why:
         log.error("gpu_driver_not_ready", reason=why, waited=cfg.gpu.driver_wait)
-    gpu.device = cfg.gpu.device  # (owner) the orphan's GPU memory is looked up on our device
+    # (owner) the orphan's GPU memory is looked up on our device
     inst.stop_orphans(cfg.stop.term_timeout,
-                      gpu.gpu_held if cfg.gpu.enabled != "off" else None,
+                      (lambda pids: gpu.held(cfg.gpu.device, pids))
+                      if cfg.gpu.enabled != "off" else None,
                       cfg.gpu.release_timeout)
     # --- recovery: a fixed KV budget from the last good start, read-ahead of the weights
-    from qwen4090 import caches, kvbudget, learned, readahead
-
-    def gpu_name() -> str:
-        from qwen4090.probes import nvml
-
-        mem = nvml.memory(cfg.gpu.device) if cfg.gpu.enabled != "off" else "off"
-        return "none" if isinstance(mem, str) else mem.name
-
-    kv = kvbudget.KvBudget(learned.state_dir(cfg), gpu_name)
-
-    def preflight(c: Config) -> Any:
-        res = gpu.preflight(c)
-        if res.ok:
-            launch, note = kv.apply(res.config or c)
-            if note:
-                log.info("kv_budget", detail=note)
-            if kv.applied is not None:
-                res.config = launch
-        return res
+    from qwen4090 import caches, readahead
 
     def spawn(c: Config) -> Any:
         if c.restart.readahead:
@@ -209,12 +192,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             launch, on_line, env=caches.cache_environment(os.environ, launch.vllm.env)))
 
     def kv_record(report: dict[str, Any]) -> None:
-        if kv.record(holder["sup"].launch_cfg, report):
+        if gpu.remember_kv(holder["sup"].launch, report):
             log.info("kv_budget_recorded", kv_bytes=report.get("kv_bytes"),
                      kv_tokens=report.get("kv_tokens"))
 
     def kv_forget(report: dict[str, Any]) -> None:
-        if kv.forget():
+        if gpu.forget_kv(holder["sup"].launch):
             log.warning("kv_budget_forgotten", reason="a start with the fixed KV budget failed"
                                                       "; the next one profiles again")
 
@@ -225,9 +208,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         spawn=spawn,
         ports=inst,
         make_probe=make_probe,
-        preflight=preflight,
-        adjust_after_failure=gpu.adjust_after_failure,
-        gpu_held=gpu.gpu_held,
+        preflight=gpu.preflight,
+        gpu=gpu,
         warmup=warmup.run,  # type: ignore[arg-type]
         load_config=lambda: config_mod.load(args.config),
         notifier=notifier,
@@ -302,7 +284,7 @@ def _load_plugins() -> None:
     """Modules that register more subcommands (each optional until it exists)."""
     import importlib
 
-    for name in ("qwen4090.provision", "qwen4090.plan", "qwen4090.statuscmd",
+    for name in ("qwen4090.provision", "qwen4090.plancmd", "qwen4090.statuscmd",
                  "qwen4090.bench"):
         try:
             importlib.import_module(name)

@@ -415,7 +415,9 @@ def from_dict(raw: Mapping[str, Any], owner: Mapping[str, str] | None = None,
     from qwen4090 import derived
 
     given = {f"{name}.{key}" for name, table in raw.items() for key in table}
-    cfg = derived.apply(cfg, given, owner, default_file)
+    cfg, wrong = derived.apply(cfg, given)
+    if wrong is not None:  # (key, why): a contradiction, named in the file that set the key
+        raise ConfigError(owner.get(wrong[0], default_file), wrong[0], wrong[1])
     # --- end hook
     _check_relations(cfg, owner, default_file)
     return cfg

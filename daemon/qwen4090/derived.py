@@ -10,13 +10,13 @@ only their own vLLM port and GPU in their config.
   ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or identical GPUs; UUIDs (``GPU-...``) and MIG names are
   left to the NVML side to resolve (gpu.device is not changed for them).
 
-Pure: a Config in, a Config (or a ConfigError) out.
+Pure: a Config in, a Config (or the contradiction found) out.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Container, Mapping
+from collections.abc import Container
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -55,21 +55,19 @@ def device_for(configured: int | None, cuda_visible: str | None) -> tuple[int | 
                   f"{physical} or remove it (it follows CUDA_VISIBLE_DEVICES)")
 
 
-def apply(cfg: Config, given: Container[str], owner: Mapping[str, str],
-          default_file: str | None) -> Config:
+def apply(cfg: Config, given: Container[str]) -> tuple[Config, tuple[str, str] | None]:
     """cfg with the derived defaults filled in (for the "section.key"s not in `given`, the keys
-    some file set); raises ConfigError on a contradiction."""
-    from qwen4090.config import ConfigError
-
+    some file set), and the contradiction found as (key, why), or None; config.py turns it
+    into the ConfigError that names the file (so this module needs nothing of config's)."""
     status, gpu = cfg.status, cfg.gpu
     if "status.port" not in given:
         status = dataclasses.replace(status, port=default_status_port(cfg.vllm.port))
     configured = gpu.device if "gpu.device" in given else None
     device, error = device_for(configured, cfg.vllm.env.get("CUDA_VISIBLE_DEVICES"))
     if error is not None:
-        raise ConfigError(owner.get("gpu.device", default_file), "gpu.device", error)
+        return cfg, ("gpu.device", error)
     if device is not None and device != gpu.device:
         gpu = dataclasses.replace(gpu, device=device)
     if status is cfg.status and gpu is cfg.gpu:
-        return cfg
-    return dataclasses.replace(cfg, status=status, gpu=gpu)
+        return cfg, None
+    return dataclasses.replace(cfg, status=status, gpu=gpu), None

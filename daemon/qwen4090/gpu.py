@@ -1,21 +1,22 @@
-"""The GPU parts the supervisor is given: the pre-launch plan, the OOM ladder, the release wait
-and the NVML watch.
+"""The GPU part of the supervisor: owns everything that asks NVML (driver wait, watch, who
+holds memory), the checks of a launch against the GPU, and what a launch teaches (the OOM
+ladder's step-down, the fixed KV budget) — what is launched is launch.py's.
 
-Built once by cli.py and handed to the supervisor through ``Parts`` (``preflight``,
-``adjust_after_failure``, ``gpu_held``) and ``report_gpu_fault``.  With ``[gpu] enabled =
-"auto"`` and no NVML (a machine without an NVIDIA GPU) every part steps aside: the preflight is
-the plain one and the ladder still runs from vLLM's own error texts.
+Built once by cli.py and handed to the supervisor as ``Parts.gpu`` (supervisor.GpuLike) and its
+``preflight``.  With ``[gpu] enabled = "auto"`` and no NVML (a machine without an NVIDIA GPU)
+every check steps aside, and the ladder still runs from vLLM's own error texts.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from qwen4090 import ladder, learned, plan, preflight, xid
+from qwen4090 import kvbudget, ladder, learned, plan, preflight, xid
+from qwen4090 import launch as launch_mod
 from qwen4090.config import AUTO, Config
+from qwen4090.launch import Launch
 from qwen4090.policy import ExitVerdict
 from qwen4090.preflight import PreflightResult
 from qwen4090.probes import nvml
@@ -27,10 +28,8 @@ class GpuParts:
     def __init__(self, log: Any, env: dict[str, str] | None = None) -> None:
         self.log = log
         self.env = dict(os.environ) if env is None else env
-        self.fp: dict[str, Any] | None = None  # fingerprint of the last launch's model + GPU
         self.watch: nvml.GpuWatch | None = None
         self._said_no_gpu = False
-        self.device = 0
 
     # --- at start ---------------------------------------------------------------------------
 
@@ -88,44 +87,41 @@ class GpuParts:
 
     # --- before each launch -----------------------------------------------------------------
 
-    def preflight(self, cfg: Config) -> PreflightResult:
-        return preflight.full(cfg, extra=[self.check_gpu])
+    def launch(self, cfg: Config) -> Launch:
+        """What the next vLLM is launched with (launch.py, on this machine's facts)."""
+        return launch_mod.resolve(cfg, launch_mod.read_facts(cfg, self.env))
 
-    def check_gpu(self, cfg: Config, res: PreflightResult) -> None:
-        """Learned settings, the KV-cache plan ("auto" chosen, unfit refused), other holders."""
-        g = cfg.gpu
-        self.device = g.device
+    def preflight(self, chosen: Launch) -> PreflightResult:
+        """Every check before `chosen` is launched, the GPU's among them (what cli.py hands the
+        supervisor as Parts.preflight)."""
+        res = preflight.full(chosen.config, extra=[lambda cfg, r: self.check(chosen, r)])
+        if res.ok and chosen.kv_note:
+            self.log.info("kv_budget", detail=chosen.kv_note)
+        return res
+
+    def check(self, chosen: Launch, res: PreflightResult) -> None:
+        """The launch against the GPU: unfit settings refused, other holders of its memory."""
+        g = chosen.config.gpu
         if g.enabled == "off":
             # No GPU checks, but what earlier OOMs taught still applies (the ladder runs on
             # vLLM's own error texts, with or without NVML).
-            launch, notes = self._learned(cfg, "gpu.enabled = off")
-            res.config = launch if notes else None
+            self._say_learned(chosen)
             return
-        mem = plan.gpu_memory(cfg)
-        if isinstance(mem, str):
+        if isinstance(chosen.gpu, str):
             if g.enabled == "required":
-                res.transient = f"GPU not ready: {mem}"
+                res.transient = f"GPU not ready: {chosen.gpu}"
             elif not self._said_no_gpu:
                 self._said_no_gpu = True
-                self.log.info("gpu_checks_skipped", reason=mem)
-            launch, notes = self._learned(cfg, mem)
-            res.config = launch if notes else None
+                self.log.info("gpu_checks_skipped", reason=chosen.gpu)
+            self._say_learned(chosen)
             return
-        launch, _notes = self._learned(cfg, mem)
-        model_dir = Path(cfg.vllm.model).expanduser()
-        if not (model_dir / "config.json").is_file():
-            res.warnings.append(f"no KV-cache plan: {model_dir} is not a local model directory")
-            res.config = launch
+        self._say_learned(chosen)
+        p = chosen.plan
+        if p is None:
+            res.warnings.append(f"no KV-cache plan: {chosen.no_plan}")
             return
-        try:
-            model = plan.read_model(model_dir)
-        except plan.PlanError as e:
-            res.warnings.append(f"no KV-cache plan: {e}")
-            res.config = launch
-            return
-        p = plan.make_plan(launch, model, mem)
         res.facts["plan"] = p.as_json()
-        self.log.info("kv_plan", gpu=mem.name, usable_gib=round(mem.total_bytes / GIB, 2),
+        self.log.info("kv_plan", gpu=p.gpu.name, usable_gib=round(p.gpu.total_bytes / GIB, 2),
                       budget_gib=round(p.budget_bytes / GIB, 2),
                       weights_gib=round(p.weights_bytes / GIB, 2),
                       activation_gib=round(p.activation_bytes / GIB, 2),
@@ -136,23 +132,19 @@ class GpuParts:
                       chosen=",".join(p.chosen) or "none")
         if not p.fits:
             if g.plan_check == "refuse":
-                res.fatal = plan.refusal(launch, p)
+                res.fatal = plan.refusal(chosen.config, p)
                 return
             if g.plan_check == "warn":
                 res.warnings += [f"plan: {k}: {m} (gpu.plan_check = \"warn\": trying anyway)"
                                  for k, m in p.problems]
         res.warnings += [f"plan: {w}" for w in p.warnings]
         self._check_others(p, res, g.device)
-        res.config = plan.resolved(launch, p)
 
-    def _learned(self, cfg: Config, gpu: plan.GpuMemory | str) -> tuple[Config, list[str]]:
-        self.fp = plan.fingerprint(cfg, gpu)
-        store = learned.LearnedStore(learned.state_dir(cfg, self.env))
-        launch, notes = store.apply(cfg, self.fp)
-        for n in notes:
-            self.log.warning("learned_applied", change=n, file=str(store.path),
+    def _say_learned(self, chosen: Launch) -> None:
+        path = learned.state_dir(chosen.config, self.env) / learned.FILE_NAME
+        for n in chosen.learned:
+            self.log.warning("learned_applied", change=n, file=str(path),
                              forget="qwen4090 reset-learned")
-        return launch, [n for n in notes if not n.startswith("ignored")]
 
     def _check_others(self, p: plan.Plan, res: PreflightResult, device: int) -> None:
         procs = nvml.processes(device)
@@ -172,16 +164,30 @@ class GpuParts:
         else:
             res.warnings.append(f"other processes use the GPU: {names}")
 
+    # --- after a start ------------------------------------------------------------------------
+
+    def remember_kv(self, launched: Launch, report: dict[str, Any]) -> bool:
+        """READY: keep the KV-cache bytes vLLM sized for the next launch (fixed_kv_budget)."""
+        store = kvbudget.KvBudget(learned.state_dir(launched.config, self.env))
+        return store.record(launched.config, launched.fingerprint, report)
+
+    def forget_kv(self, launched: Launch) -> bool:
+        """A start given the KV budget failed: the next one profiles again."""
+        store = kvbudget.KvBudget(learned.state_dir(launched.config, self.env))
+        return store.forget(launched.kv_budget)
+
     # --- after a failure --------------------------------------------------------------------
 
-    def adjust_after_failure(self, launch: Config, verdict: ExitVerdict, tail: list[str]
-                             ) -> list[str] | None:
-        """OOM: record one rung down the ladder as a learned setting; say what changed."""
-        g = launch.gpu
+    def step_down(self, launched: Launch, cfg: Config, verdict: ExitVerdict, tail: list[str]
+                  ) -> list[str] | None:
+        """OOM: record one rung down the ladder as a learned setting; say what changed.  The
+        limits are the launch's; the ladder's settings and the state directory are `cfg`'s (the
+        current config, so a reload applies to the next OOM)."""
+        g = cfg.gpu
         if not g.oom_ladder:
             return None
         facts = ladder.read_oom(tail) or ladder.read_oom([verdict.detail])
-        v = launch.vllm
+        v = launched.config.vllm
         limits = ladder.Limits(
             max_model_len=_int(v.max_model_len), max_num_seqs=_int(v.max_num_seqs),
             max_num_batched_tokens=_int(v.max_num_batched_tokens),
@@ -191,10 +197,9 @@ class GpuParts:
         rung = ladder.next_rung(facts, limits, floors)
         if rung is None:
             return None
-        fp = self.fp or plan.fingerprint(launch, "no preflight yet")
-        store = learned.LearnedStore(learned.state_dir(launch, self.env))
+        store = learned.LearnedStore(learned.state_dir(cfg, self.env))
         value: float = int(rung.new) if rung.key != "gpu_memory_utilization" else rung.new
-        failed = store.record(rung.key, value, fp,
+        failed = store.record(rung.key, value, launched.fingerprint,
                               f"{facts.kind.value if facts else 'oom'}: {rung.why}")
         if failed is not None:  # cfg: still applied to the next launch; say where and the fix
             self.log.error("learned_not_saved", key=rung.key, value=value, file=failed.path,
@@ -206,8 +211,10 @@ class GpuParts:
 
     # --- between stop and relaunch ------------------------------------------------------------
 
-    def gpu_held(self, pids: list[int]) -> str | None:
-        procs = nvml.processes(self.device)
+    def held(self, device: int, pids: list[int]) -> str | None:
+        """Which of these pids still hold memory on the GPU with this NVML index (None: none,
+        or NVML cannot tell)."""
+        procs = nvml.processes(device)
         if isinstance(procs, str):
             return None
         wanted = set(pids)

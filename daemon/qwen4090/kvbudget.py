@@ -9,8 +9,9 @@ the same settings gets the same KV tokens.
 
 What: after a start reaches READY, the KV-cache bytes vLLM reported (timeline.py reads them from
 its log) are kept in ``kv_budget.json`` in the state directory, with a fingerprint of every
-setting that decides memory use and the GPU's name.  The next launch with the same fingerprint
-gets ``--kv-cache-memory-bytes N``.  A start with the budget that fails before READY forgets it
+setting that decides memory use and of the GPU (the launch's own fingerprint, launch.py, plus
+the limits).  The next launch with the same fingerprint gets ``--kv-cache-memory-bytes N``
+(launch.resolve gives it).  A start with the budget that fails before READY forgets it
 (the next one profiles again), so a GPU that has less free memory than before heals by itself.
 Caveats: the budget ignores ``gpu_memory_utilization``; on the CPU build the environment
 variable ``VLLM_CPU_KVCACHE_SPACE`` wins over the flag.
@@ -24,7 +25,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,28 +35,45 @@ FILE_NAME = "kv_budget.json"
 FLAG = "--kv-cache-memory-bytes"
 
 
-def fingerprint(cfg: Config, gpu_name: str) -> dict[str, Any]:
-    """Everything that decides how much memory vLLM has left for its KV cache."""
+def fingerprint(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
+    """Everything that decides how much memory vLLM has left for its KV cache: the launch's
+    fingerprint (model, dtypes, GPU: launch.fingerprint) and the limits of this launch."""
     v = cfg.vllm
-    return {"model": v.model, "quantization": v.quantization, "dtype": v.dtype,
-            "kv_cache_dtype": v.kv_cache_dtype, "max_model_len": v.max_model_len,
-            "max_num_seqs": v.max_num_seqs, "max_num_batched_tokens": v.max_num_batched_tokens,
+    return {**base, "max_model_len": v.max_model_len, "max_num_seqs": v.max_num_seqs,
+            "max_num_batched_tokens": v.max_num_batched_tokens,
             "gpu_memory_utilization": v.gpu_memory_utilization, "block_size": v.block_size,
-            "enforce_eager": v.enforce_eager, "prefix_caching": v.enable_prefix_caching,
-            "extra_args": [a for a in v.extra_args], "gpu": gpu_name}
+            "prefix_caching": v.enable_prefix_caching, "extra_args": list(v.extra_args)}
 
 
 def has_flag(args: list[str]) -> bool:
     return any(a == FLAG or a.startswith(FLAG + "=") for a in args)
 
 
+def budget(cfg: Config, data: Mapping[str, Any], base: dict[str, Any]
+           ) -> tuple[int | None, str | None]:
+    """The bytes of `data` (kv_budget.json) to give this launch, and a note saying so (or why
+    not).  Pure: launch.resolve calls it with what KvBudget.read found."""
+    if not cfg.restart.fixed_kv_budget or has_flag(list(cfg.vllm.extra_args)):
+        return None, None  # off, or the sysadmin set the flag himself
+    n = data.get("kv_cache_memory_bytes")
+    if not isinstance(n, int) or n <= 0:
+        return None, None
+    if data.get("fingerprint") != fingerprint(cfg, base):
+        return None, "kv budget not used: recorded for other settings or another GPU"
+    return n, f"{FLAG} {n} ({n / 1024 ** 3:.2f} GiB, {data.get('kv_tokens')} tokens last time)"
+
+
+def with_budget(cfg: Config, n: int) -> Config:
+    v = dataclasses.replace(cfg.vllm, extra_args=[*cfg.vllm.extra_args, FLAG, str(n)])
+    return dataclasses.replace(cfg, vllm=v)
+
+
 class KvBudget:
-    def __init__(self, directory: Path, gpu_name: Callable[[], str],
-                 wall: Callable[[], float] = time.time) -> None:
+    """kv_budget.json in the state directory."""
+
+    def __init__(self, directory: Path, wall: Callable[[], float] = time.time) -> None:
         self.path = Path(directory) / FILE_NAME
-        self.gpu_name = gpu_name
         self.wall = wall
-        self.applied: int | None = None  # the bytes the current launch was given
 
     def read(self) -> dict[str, Any]:
         try:
@@ -64,39 +82,23 @@ class KvBudget:
             return {}  # missing, unreadable or torn: profile as usual
         return data if isinstance(data, dict) else {}
 
-    def apply(self, cfg: Config) -> tuple[Config, str | None]:
-        """The launch config with the remembered budget, and a note saying so (or why not)."""
-        self.applied = None
-        if not cfg.restart.fixed_kv_budget or has_flag(list(cfg.vllm.extra_args)):
-            return cfg, None  # off, or the sysadmin set the flag himself
-        data = self.read()
-        n = data.get("kv_cache_memory_bytes")
-        if not isinstance(n, int) or n <= 0:
-            return cfg, None
-        if data.get("fingerprint") != fingerprint(cfg, self.gpu_name()):
-            return cfg, "kv budget not used: recorded for other settings or another GPU"
-        self.applied = n
-        v = dataclasses.replace(cfg.vllm, extra_args=[*cfg.vllm.extra_args, FLAG, str(n)])
-        return dataclasses.replace(cfg, vllm=v), f"{FLAG} {n} ({n / 1024 ** 3:.2f} GiB, " \
-                                                 f"{data.get('kv_tokens')} tokens last time)"
-
-    def record(self, launch: Config, report: dict[str, Any]) -> bool:
-        """After READY: remember what vLLM sized (only when it sized it itself)."""
-        if not launch.restart.fixed_kv_budget or self.applied is not None:
+    def record(self, launch: Config, base: dict[str, Any], report: dict[str, Any]) -> bool:
+        """After READY: remember what vLLM sized (only when it sized it itself: a launch given
+        a budget, by us or by the sysadmin, has the flag)."""
+        if not launch.restart.fixed_kv_budget or has_flag(list(launch.vllm.extra_args)):
             return False
         n = report.get("kv_bytes")
-        if not isinstance(n, int) or n <= 0 or has_flag(list(launch.vllm.extra_args)):
+        if not isinstance(n, int) or n <= 0:
             return False
         self._write({"version": 1, "kv_cache_memory_bytes": n,
                      "kv_tokens": report.get("kv_tokens"), "time": round(self.wall(), 3),
-                     "fingerprint": fingerprint(launch, self.gpu_name())})
+                     "fingerprint": fingerprint(launch, base)})
         return True
 
-    def forget(self) -> bool:
-        """A start with the budget failed: the next one profiles again."""
-        if self.applied is None:
+    def forget(self, given: int | None) -> bool:
+        """A start given the budget failed: the next one profiles again."""
+        if given is None:
             return False
-        self.applied = None
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         return True

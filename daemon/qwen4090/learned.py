@@ -16,6 +16,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -30,8 +31,8 @@ KEYS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_u
 INSTANCES_DIR_NAME = "instances"
 
 
-def state_dir(cfg: Config, env: dict[str, str] | None = None) -> Path:
-    env = dict(os.environ) if env is None else env
+def state_dir(cfg: Config, env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
     if cfg.gpu.state_directory:
         return Path(cfg.gpu.state_directory)
     # qwen4090@NAME reads /etc/qwen4090/instances/NAME.toml and has StateDirectory=qwen4090/NAME:
@@ -90,31 +91,7 @@ class LearnedStore:
 
     def apply(self, cfg: Config, fp: dict[str, Any]) -> tuple[Config, list[str]]:
         """cfg with learned ceilings applied, and one line per value applied (or ignored)."""
-        data = self.read()
-        settings = data.get("settings") or {}
-        if not settings:
-            return cfg, []
-        if data.get("fingerprint") != fp:
-            return cfg, [f"ignored learned {', '.join(sorted(settings))}: learned for another "
-                         "model, GPU or dtype"]
-        v = cfg.vllm
-        changes: dict[str, Any] = {}
-        notes = []
-        for key in KEYS:
-            if key not in settings:
-                continue
-            learned = _valid(key, settings[key])
-            if learned is None:  # a hand-edited or foreign file: never a crash over it
-                notes.append(f"ignored learned {key}: {settings[key]!r:.40} is not a valid "
-                             f"vllm.{key}")
-                continue
-            current = getattr(v, key)
-            if current == AUTO or (isinstance(current, (int, float)) and learned < current):
-                changes[key] = learned
-                notes.append(f"{key} {current} -> {learned}")
-        if not changes:
-            return cfg, notes
-        return dataclasses.replace(cfg, vllm=dataclasses.replace(v, **changes)), notes
+        return applied(cfg, self.read(), fp)
 
     def record(self, key: str, value: float, fp: dict[str, Any], why: str
                ) -> SaveFailure | None:
@@ -163,6 +140,37 @@ class LearnedStore:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+
+
+def applied(cfg: Config, data: Mapping[str, Any], fp: dict[str, Any]
+            ) -> tuple[Config, list[str]]:
+    """cfg with the learned ceilings of `data` (learned.json) applied, and one line per value
+    applied (or ignored).  Pure: launch.resolve calls it with what LearnedStore.read found."""
+    settings = data.get("settings") or {}
+    if not settings:
+        return cfg, []
+    if data.get("fingerprint") != fp:
+        return cfg, [f"ignored learned {', '.join(sorted(settings))}: learned for another "
+                     "model, GPU or dtype"]
+    v = cfg.vllm
+    changes: dict[str, Any] = {}
+    notes = []
+    for key in KEYS:
+        if key not in settings:
+            continue
+        learned = _valid(key, settings[key])
+        if learned is None:  # a hand-edited or foreign file: never a crash over it
+            notes.append(f"ignored learned {key}: {settings[key]!r:.40} is not a valid "
+                         f"vllm.{key}")
+            continue
+        current = getattr(v, key)
+        if current == AUTO or (isinstance(current, (int, float)) and learned < current):
+            changes[key] = learned
+            notes.append(f"{key} {current} -> {learned}")
+    if not changes:
+        return cfg, notes
+    return dataclasses.replace(cfg, vllm=dataclasses.replace(v, **changes)), notes
 
 
 def _valid(key: str, value: Any) -> int | float | None:

@@ -32,17 +32,14 @@ than PLAN_TOLERANCE), or a budget that leaves no room for what vLLM uses outside
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qwen4090.cli import _config_arg, command, config_error
 from qwen4090.config import AUTO, Config, ConfigError, read_regular_file
 
 GIB = 1024 ** 3
@@ -466,7 +463,7 @@ def render(plan: Plan, cfg: Config) -> str:
     return "\n".join(lines)
 
 
-# --- CLI ----------------------------------------------------------------------------------------
+# --- the GPU the plan is for --------------------------------------------------------------------
 
 
 def manual_gpu(gib: float, source: str) -> GpuMemory:
@@ -479,8 +476,8 @@ def gpu_memory(cfg: Config) -> GpuMemory | str:
     """The GPU that the plan and the learned settings are for: gpu.memory_gib, else NVML (with
     the binding of vllm.command's venv); a str says why there is none.
 
-    The daemon's preflight (gpu.py) and `qwen4090 plan` both call this, so both see the same
-    GPU under the same name and :func:`fingerprint` agrees between them.
+    The daemon's preflight and `qwen4090 plan` both get it through launch.read_facts, so both
+    see the same GPU under the same name and launch.fingerprint agrees between them.
     """
     if cfg.gpu.memory_gib:
         return manual_gpu(cfg.gpu.memory_gib, "gpu.memory_gib")
@@ -493,16 +490,6 @@ def gpu_memory(cfg: Config) -> GpuMemory | str:
     return GpuMemory(mem.usable, mem.name, "NVML total - reserved", mem.free)
 
 
-def fingerprint(cfg: Config, gpu: GpuMemory | str) -> dict[str, Any]:
-    """What learned settings belong to (the one function for the daemon and `plan`): the
-    model's memory settings and the GPU; no GPU when gpu.enabled = "off" or none is known."""
-    from qwen4090 import learned
-
-    if cfg.gpu.enabled == "off" or isinstance(gpu, str):
-        return learned.fingerprint(cfg, "", 0)
-    return learned.fingerprint(cfg, gpu.name, gpu.total_bytes)
-
-
 def gpu_memory_from(args_gib: float | None, cfg: Config) -> GpuMemory | str:
     """The GPU's usable memory: --gpu-memory, else :func:`gpu_memory`; a str says why not."""
     if args_gib:
@@ -511,73 +498,3 @@ def gpu_memory_from(args_gib: float | None, cfg: Config) -> GpuMemory | str:
     if isinstance(mem, str):
         return f"no GPU memory size: {mem}; or pass --gpu-memory GIB (e.g. 24 for an RTX 4090)"
     return mem
-
-
-def _plan_args(p: argparse.ArgumentParser) -> None:
-    _config_arg(p)
-    p.add_argument("--model", help="model directory (default: vllm.model of the config)")
-    p.add_argument("--gpu-memory", type=float, metavar="GIB",
-                   help="plan for a GPU with this much memory instead of reading NVML "
-                        "(e.g. 24 for an RTX 4090)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-
-
-@command("plan", "show the KV-cache account for the config on this GPU; exit 78 if it "
-                 "cannot fit")(_plan_args)
-def cmd_plan(args: argparse.Namespace) -> int:
-    from qwen4090 import config as config_mod
-    from qwen4090 import learned
-
-    try:
-        cfg = config_mod.load(args.config) if Path(args.config).exists() or \
-            args.model is None else Config()
-    except ConfigError as e:
-        return config_error(e)
-    if args.model:
-        cfg = dataclasses.replace(cfg, vllm=dataclasses.replace(cfg.vllm, model=args.model))
-    try:
-        model = read_model(cfg.vllm.model)
-    except PlanError as e:
-        print(f"qwen4090: plan: {e}", file=sys.stderr)
-        return 78
-    gpu = gpu_memory_from(args.gpu_memory, cfg)
-    if isinstance(gpu, str):
-        print(f"qwen4090: plan: {gpu}", file=sys.stderr)
-        return 1
-    store = learned.LearnedStore(learned.state_dir(cfg))
-    cfg, applied = store.apply(cfg, fingerprint(cfg, gpu))
-    plan = make_plan(cfg, model, gpu)
-    if args.json:
-        out = plan.as_json()
-        out["learned"] = applied
-        print(json.dumps(out, indent=2))
-    else:
-        for a in applied:
-            print(f"learned   {a} (from {store.path}; qwen4090 reset-learned forgets it)")
-        print(render(plan, cfg))
-    return 0 if plan.fits else 78
-
-
-def _reset_args(p: argparse.ArgumentParser) -> None:
-    _config_arg(p)
-
-
-@command("reset-learned", "forget the settings learned from out-of-memory restarts")(_reset_args)
-def cmd_reset_learned(args: argparse.Namespace) -> int:
-    from qwen4090 import config as config_mod
-    from qwen4090 import learned
-
-    try:
-        cfg = config_mod.load(args.config) if Path(args.config).exists() else Config()
-    except ConfigError as e:
-        return config_error(e)
-    store = learned.LearnedStore(learned.state_dir(cfg))
-    try:
-        removed = store.reset()
-    except OSError as e:
-        print(f"qwen4090: reset-learned: cannot remove {store.path}: {e.strerror}",
-              file=sys.stderr)
-        return 1
-    print(f"forgot {', '.join(removed)} ({store.path})" if removed
-          else f"nothing learned ({store.path})")
-    return 0

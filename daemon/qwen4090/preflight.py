@@ -4,7 +4,8 @@ Configuration problems (missing model directory, unusable command, loose API-key
 :class:`ConfigError` and are never retried.  Conditions that may pass by themselves (the port
 still held by a dying process) are transient: the start is retried with backoff.  A port held
 by another process is named (pid, command line) and waited on without counting a failure.
-GPU checks (driver, free VRAM, the KV-cache plan) plug in as extra checks.
+GPU checks (driver, free VRAM, the KV-cache plan) plug in as extra checks; what is launched
+(and why) is launch.py's, never a check's.
 """
 
 from __future__ import annotations
@@ -28,9 +29,6 @@ class PreflightResult:
     port_holder: str | None = None  # vLLM's port is held by this process: wait, do not count
     warnings: list[str] = field(default_factory=list)
     facts: dict[str, object] = field(default_factory=dict)  # for logs and status
-    # The config to launch with, when a check changed it ("auto" limits chosen by the KV-cache
-    # plan, settings learned from OOM restarts); None = the configured one.
-    config: Config | None = None
 
     @property
     def ok(self) -> bool:

@@ -15,12 +15,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from qwen4090 import states
 from qwen4090.config import AUTO, Config, ConfigError, changed_sections
 from qwen4090.instance import PortOwner, PortWait, UncheckedPorts
+from qwen4090.launch import Launch, configured
 from qwen4090.policy import (
     EX_CONFIG,
     EX_GPU,
@@ -92,6 +93,33 @@ class ChildLike(Protocol):
     def oom_evidence(self) -> str | None: ...
 
 
+class GpuLike(Protocol):
+    """The GPU part (gpu.py's GpuParts; NoGpu where there is none): what the next vLLM is
+    launched with (launch.py), one rung down after an OOM, and who still holds GPU memory."""
+
+    def launch(self, cfg: Config) -> Launch: ...
+    # After an OOM exit: (what was launched, the current config: the ladder's settings, the
+    # verdict, vLLM's last lines) -> what was lowered, or None when nothing could be.
+    def step_down(self, launched: Launch, cfg: Config, verdict: ExitVerdict, tail: list[str]
+                  ) -> list[str] | None: ...
+    # Which of these pids still hold memory on the GPU with this NVML index (None: none).
+    def held(self, device: int, pids: list[int]) -> str | None: ...
+
+
+class NoGpu:
+    """No GPU part: the launch as configured, no ladder, nothing ever held."""
+
+    def launch(self, cfg: Config) -> Launch:
+        return configured(cfg)
+
+    def step_down(self, launched: Launch, cfg: Config, verdict: ExitVerdict, tail: list[str]
+                  ) -> list[str] | None:
+        return None
+
+    def held(self, device: int, pids: list[int]) -> str | None:
+        return None
+
+
 class ProbeLike(Protocol):
     def health(self, timeout: float) -> HealthResult: ...
     def metrics(self, timeout: float) -> MetricsResult: ...
@@ -125,7 +153,7 @@ class ExecutorLike(Protocol):
 class Parts:
     spawn: Callable[[Config], ChildLike]
     make_probe: Callable[[Config], ProbeLike]
-    preflight: Callable[[Config], PreflightResult]
+    preflight: Callable[[Launch], PreflightResult]  # every check before that launch
     warmup: Callable[[Config, ProbeLike, Callable[[str], None]], WarmupResult]
     load_config: Callable[[], Config]
     notifier: NotifierLike
@@ -136,12 +164,7 @@ class Parts:
     rand: random.Random = field(default_factory=random.Random)
     # Called with (event, fields) on transitions, restarts and warmups (metrics, status page).
     listeners: list[Callable[[str, dict[str, Any]], None]] = field(default_factory=list)
-    # GPU parts (gpu.py); the defaults do nothing, so a machine without a GPU runs unchanged.
-    # After an OOM exit: (launch config, verdict, vLLM's last lines) -> what was lowered.
-    adjust_after_failure: Callable[[Config, ExitVerdict, list[str]], list[str] | None] | None \
-        = None
-    # Which of these pids still hold GPU memory (None = released or cannot tell).
-    gpu_held: Callable[[list[int]], str | None] | None = None
+    gpu: GpuLike = field(default_factory=NoGpu)
     ports: PortsLike = field(default_factory=UncheckedPorts)
 
 
@@ -188,7 +211,7 @@ class Supervisor:
         self.ready_notified = False
         self.ready_since: float | None = None
         self.warmup: WarmupResult | None = None
-        self.launch_cfg = cfg  # what the current vLLM runs with (auto resolved, learned applied)
+        self.launch = configured(cfg)  # what the current vLLM runs with, and why (launch.py)
         self.exit_tail: list[str] = []
         self.exit_rc: int | None = None  # the child's own exit (None: alive, or ended by us)
         self.exit_oom: str | None = None  # the kernel's word on an OOM kill of that exit
@@ -227,6 +250,11 @@ class Supervisor:
         self.stranger_said = 0  # the generation for which port_answered_by_stranger was logged
 
     # --- public surface ------------------------------------------------------------------
+
+    @property
+    def launch_cfg(self) -> Config:
+        """The config the current vLLM runs with (auto resolved, learned applied)."""
+        return self.launch.config
 
     def deliver(self, signum: int) -> None:
         """Queue a signal (called from the signal handler: only an append)."""
@@ -413,7 +441,8 @@ class Supervisor:
     def step_preflight(self, now: float) -> None:
         if self.port_wait.holder and self.port_still_held(now):
             return
-        res = self.p.preflight(self.cfg)
+        chosen = self.p.gpu.launch(self.cfg)
+        res = self.p.preflight(chosen)
         for w in res.warnings:
             self.log.warning("preflight_warning", detail=w)
         if res.fatal is not None:
@@ -424,7 +453,7 @@ class Supervisor:
                 return
             self.fail(now, ExitVerdict(Cause.PREFLIGHT, res.transient, True))
             return
-        launch = res.config or self.cfg
+        launch = chosen.config
         try:
             child = self.p.spawn(launch)
         except ConfigError as e:
@@ -437,7 +466,7 @@ class Supervisor:
             self.give_up(now, EX_CONFIG, str(err))
             return
         self.child = child
-        self.launch_cfg = launch
+        self.launch = chosen
         self.generation += 1
         self.spawned_at = now
         self.probe = self.p.make_probe(launch)
@@ -747,11 +776,8 @@ class Supervisor:
                                   "settings", hint="set gpu.oom_ladder = true, or lower "
                                                    "vllm.max_model_len / max_num_seqs")
             return
-        if self.p.adjust_after_failure is None:
-            return
-        launch = replace(self.launch_cfg, gpu=self.cfg.gpu)
         try:
-            changes = self.p.adjust_after_failure(launch, v, self.exit_tail)
+            changes = self.p.gpu.step_down(self.launch, self.cfg, v, self.exit_tail)
         except Exception as e:
             self.log.error("oom_step_down_failed", error=safe_error(e, where=True))
             return
@@ -765,9 +791,9 @@ class Supervisor:
 
     def gpu_released(self, now: float) -> bool:
         """Before a relaunch: the old vLLM's GPU memory is free, or we waited long enough."""
-        if self.p.gpu_held is None or not self.old_pids:
+        if not self.old_pids:
             return True
-        held = self.p.gpu_held(self.old_pids)
+        held = self.p.gpu.held(self.launch.config.gpu.device, self.old_pids)
         waited = round(now - self.gone_at, 2)
         if held is None:
             self.log.info("gpu_released", waited=waited)
@@ -1096,9 +1122,7 @@ class Supervisor:
         return f"{line}; {note}" if note else line
 
     def safe_argv(self) -> list[str]:
-        from qwen4090.child import render_argv
-
-        return render_argv(self.launch_cfg.vllm)
+        return list(self.launch.argv)  # child.render_argv: never a secret
 
 
 # Jobs for the executor: each binds its probe now, so a later config cannot change it.

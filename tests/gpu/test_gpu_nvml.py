@@ -77,11 +77,11 @@ def test_another_process_holding_memory_is_named(tmp_path: Path) -> None:
         cfg = load(lab.write_config(tmp_path / "q.toml"))
         parts = gpu.GpuParts(Log(), env={})
         res = PreflightResult()
-        parts.check_gpu(cfg, res)
+        parts.check(parts.launch(cfg), res)
         t_kill = time.monotonic()
         holder.kill()
         holder.wait()
-        released = lab.wait_until(lambda: parts.gpu_held([holder.pid]) is None, 30, 0.05)
+        released = lab.wait_until(lambda: parts.held(0, [holder.pid]) is None, 30, 0.05)
         out = {"nvml_processes": [p.describe() for p in procs],
                "holder_listed": bool(mine), "preflight_warnings": res.warnings,
                "preflight_transient": res.transient,

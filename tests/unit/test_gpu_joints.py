@@ -152,7 +152,7 @@ def test_daemon_preflight_and_driver_wait_use_the_venvs_binding(
     found = [kw for _, e, kw in log.events if e == "gpu_found"]
     assert found and found[0]["name"] == FAKE_NAME
     assert found[0]["binding"] == str(tmp_path / "venv/lib/python3.11/site-packages/pynvml.py")
-    res = parts.preflight(cfg)  # what cli.cmd_run hands the supervisor
+    res = parts.preflight(parts.launch(cfg))  # what cli.cmd_run hands the supervisor
     assert res.ok, (res.fatal, res.transient)
     assert res.facts["plan"]["gpu"] == FAKE_NAME  # type: ignore[index]
     assert [kw["gpu"] for _, e, kw in log.events if e == "kv_plan"] == [FAKE_NAME]
@@ -249,7 +249,7 @@ def oom_harness(tmp_path: Path, **gpu_keys: Any) -> tuple[Harness, list[Config]]
         return h.spawn(cfg)
 
     h.sup.p.preflight = parts.preflight
-    h.sup.p.adjust_after_failure = parts.adjust_after_failure
+    h.sup.p.gpu = parts
     h.sup.p.spawn = spawn
     return h, launches
 
@@ -283,17 +283,18 @@ def test_plan_shows_what_the_daemon_learned_with_memory_gib_set(
     conf = write_config(tmp_path, sys.executable, gpu_keys="memory_gib = 140")
     cfg = load(conf)
     parts = gpu.GpuParts(Log(), env={})  # the daemon: preflight, then an OOM
+    launched = parts.launch(cfg)
     res = PreflightResult()
-    parts.check_gpu(cfg, res)
-    assert res.ok and res.config is not None
+    parts.check(launched, res)
+    assert res.ok
     from qwen4090.policy import classify_exit
 
     verdict = classify_exit(1, [CUDA_OOM, FINAL])
-    assert parts.adjust_after_failure(res.config, verdict, [CUDA_OOM, FINAL]) == [
+    assert parts.step_down(launched, cfg, verdict, [CUDA_OOM, FINAL]) == [
         "max_num_seqs 32 -> 16 (out of memory: fewer sequences at once)"]
-    again = PreflightResult()
-    parts.check_gpu(cfg, again)  # the daemon's next launch
-    assert again.config is not None and again.config.vllm.max_num_seqs == 16
+    again = parts.launch(cfg)  # the daemon's next launch
+    parts.check(again, PreflightResult())
+    assert again.config.vllm.max_num_seqs == 16
     assert cli.main(["plan", "-c", str(conf)]) == 0  # the user asks what the next launch does
     out = capsys.readouterr().out
     assert "learned   max_num_seqs 32 -> 16" in out, out
@@ -321,3 +322,83 @@ def test_the_configured_venv_wins_over_the_default_one_found_at_import(
     assert nvml.bind([str(py), "-m", "vllm.entrypoints.openai.api_server"]) is None
     assert nvml.pynvml is not stale
     assert str(nvml.pynvml.__file__).startswith(str(tmp_path / "venv"))
+
+
+# --- issue 11.1: one resolver for the daemon and `plan` -------------------------------------
+
+
+@pytest.mark.parametrize("source", ["memory_gib", "nvml"])
+def test_daemon_and_plan_resolve_the_same_launch(
+        source: str, tmp_path: Path, debian_python: None,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """On the same inputs (config, GPU, learned.json, kv_budget.json) the daemon's preflight,
+    the launch its supervisor spawns and `qwen4090 plan` agree: same argv, same fingerprint,
+    and each limit from the same place."""
+    from qwen4090.child import render_argv
+    from qwen4090.config import load, tomllib
+    from qwen4090.launch import KV_KEY, Origin
+    from qwen4090.policy import classify_exit
+
+    py = fake_venv(tmp_path / "venv") if source == "nvml" else Path(sys.executable)
+    conf = write_config(tmp_path, py, gpu_keys="memory_gib = 140" if source == "memory_gib"
+                        else "")
+    conf.write_text(conf.read_text().replace("max_model_len = 8192", 'max_model_len = "auto"')
+                    + "[restart]\nfixed_kv_budget = true\n")
+    cfg = load(conf)
+    parts = gpu.GpuParts(Log(), env={})
+    # the daemon's history: an OOM taught max_num_seqs 16, then a good start sized the KV cache
+    first = parts.launch(cfg)
+    assert parts.step_down(first, cfg, classify_exit(1, [CUDA_OOM, FINAL]), [CUDA_OOM, FINAL])
+    second = parts.launch(cfg)
+    assert second.kv_budget is None
+    assert parts.remember_kv(second, {"kv_bytes": 3 * 1024 ** 3, "kv_tokens": 20000})
+    daemon = parts.launch(cfg)
+    assert parts.preflight(daemon).ok
+    s = daemon.settings
+    assert (s["max_num_seqs"].value, s["max_num_seqs"].origin) == (16, Origin.LEARNED)
+    assert s["max_model_len"].origin is Origin.PLAN and isinstance(s["max_model_len"].value, int)
+    assert s["gpu_memory_utilization"].origin is Origin.CONFIGURED
+    assert (s[KV_KEY].value, s[KV_KEY].origin) == (3 * 1024 ** 3, Origin.KV_BUDGET)
+    assert daemon.argv == tuple(render_argv(daemon.config.vllm))
+    assert "--kv-cache-memory-bytes" in daemon.argv and "--max-model-len" in daemon.argv
+
+    assert cli.main(["plan", "-c", str(conf), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["argv"] == list(daemon.argv)
+    assert out["fingerprint"] == daemon.fingerprint
+    assert out["settings"] == {k: v.as_json() for k, v in s.items()}
+    assert cli.main(["plan", "-c", str(conf)]) == 0
+    assert f"argv      {' '.join(daemon.argv)}" in capsys.readouterr().out.splitlines()
+
+    # ... and the supervisor spawns exactly that
+    h = Harness(raw=tomllib.loads(conf.read_text()))
+    launches: list[Config] = []
+
+    def spawn(c: Config) -> FakeChild:
+        launches.append(c)
+        return h.spawn(c)
+
+    h.sup.p.preflight, h.sup.p.gpu, h.sup.p.spawn = parts.preflight, parts, spawn
+    h.run_until(State.STARTING)
+    assert [render_argv(c.vllm) for c in launches] == [out["argv"]]
+    assert h.sup.launch.fingerprint == out["fingerprint"]
+
+
+def test_with_the_gpu_off_plan_shows_the_account_but_the_daemons_argv(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """gpu.enabled = "off": the daemon never plans, so "auto" stays vLLM's; `plan` still shows
+    the account for a given size, and says that the launch does not use its choices."""
+    from qwen4090.config import load
+    from qwen4090.launch import Origin
+
+    conf = write_config(tmp_path, sys.executable, gpu_keys='enabled = "off"')
+    conf.write_text(conf.read_text().replace("max_model_len = 8192", 'max_model_len = "auto"'))
+    daemon = gpu.GpuParts(Log(), env={}).launch(load(conf))
+    assert daemon.plan is None and "--max-model-len" not in daemon.argv
+    assert daemon.settings["max_model_len"].origin is Origin.CONFIGURED
+    assert cli.main(["plan", "-c", str(conf), "--gpu-memory", "140", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_model_len"] > 0 and out["chosen"]["max_model_len"]  # the account
+    assert out["argv"] == list(daemon.argv) and out["fingerprint"] == daemon.fingerprint
+    assert cli.main(["plan", "-c", str(conf), "--gpu-memory", "140"]) == 0
+    assert 'gpu.enabled = "off"' in capsys.readouterr().out

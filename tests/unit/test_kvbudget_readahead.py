@@ -6,9 +6,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from qwen4090 import readahead
-from qwen4090.config import from_dict
+from qwen4090 import launch, readahead
+from qwen4090.config import Config, from_dict
 from qwen4090.kvbudget import FLAG, KvBudget
+from qwen4090.launch import Launch
+from qwen4090.plan import GpuMemory
 
 GIB = 1024 ** 3
 
@@ -21,52 +23,68 @@ def ready(kv_bytes: int | None = 4 * GIB) -> dict[str, Any]:
     return {"outcome": "ready", "kv_bytes": kv_bytes, "kv_tokens": 30160}
 
 
+def resolve(kv: KvBudget, c: Config, gpu: str = "H200") -> Launch:
+    """What the daemon's preflight does with the budget on disk (launch.py)."""
+    return launch.resolve(c, launch.Facts(GpuMemory(80 * GIB, gpu), kv_budget=kv.read()))
+
+
+def record(kv: KvBudget, launched: Launch, report: dict[str, Any]) -> bool:
+    """What the daemon does at READY (gpu.GpuParts.remember_kv)."""
+    return kv.record(launched.config, launched.fingerprint, report)
+
+
 def test_the_next_launch_gets_the_bytes_of_the_last_good_start(tmp_path: Path) -> None:
-    kv = KvBudget(tmp_path, lambda: "H200")
+    kv = KvBudget(tmp_path)
     c = cfg()
-    launch, note = kv.apply(c)
-    assert (launch, note) == (c, None)  # nothing recorded yet: vLLM profiles
-    assert kv.record(launch, ready())
-    launch, note = kv.apply(c)
-    assert launch.vllm.extra_args[-2:] == [FLAG, str(4 * GIB)]
-    assert note is not None and "30160 tokens" in note
+    first = resolve(kv, c)
+    assert (first.config, first.kv_note) == (c, None)  # nothing recorded yet: vLLM profiles
+    assert record(kv, first, ready())
+    second = resolve(kv, c)
+    assert second.config.vllm.extra_args[-2:] == [FLAG, str(4 * GIB)]
+    assert second.kv_note is not None and "30160 tokens" in second.kv_note
+    assert second.settings[launch.KV_KEY].origin is launch.Origin.KV_BUDGET
     # a start that was given the budget does not re-record (the reported GiB are rounded)
-    assert not kv.record(launch, ready(3 * GIB))
-    assert kv.apply(c)[0].vllm.extra_args[-1] == str(4 * GIB)
+    assert not record(kv, second, ready(3 * GIB))
+    assert resolve(kv, c).config.vllm.extra_args[-1] == str(4 * GIB)
 
 
 def test_other_settings_or_gpu_do_not_get_it(tmp_path: Path) -> None:
-    kv = KvBudget(tmp_path, lambda: "H200")
-    kv.record(cfg(), ready())
-    other, note = kv.apply(cfg(max_model_len=4096))
-    assert FLAG not in other.vllm.extra_args and note and "other settings" in note
-    assert FLAG not in KvBudget(tmp_path, lambda: "RTX 4090").apply(cfg())[0].vllm.extra_args
+    kv = KvBudget(tmp_path)
+    record(kv, resolve(kv, cfg()), ready())
+    other = resolve(kv, cfg(max_model_len=4096))
+    assert FLAG not in other.config.vllm.extra_args
+    assert other.kv_note and "other settings" in other.kv_note
+    assert FLAG not in resolve(kv, cfg(), "RTX 4090").config.vllm.extra_args
 
 
 def test_off_by_default_and_the_sysadmins_own_flag_wins(tmp_path: Path) -> None:
-    kv = KvBudget(tmp_path, lambda: "x")
-    kv.record(cfg(), ready())
+    kv = KvBudget(tmp_path)
+    record(kv, resolve(kv, cfg()), ready())
     plain = from_dict({"vllm": {"model": "/m"}})
     assert not plain.restart.fixed_kv_budget
-    assert kv.apply(plain) == (plain, None)
+    got = resolve(kv, plain)
+    assert (got.config, got.kv_note) == (plain, None)
     own = cfg(extra_args=[FLAG + "=123"])
-    assert kv.apply(own) == (own, None)
-    assert not kv.record(own, ready())
+    got = resolve(kv, own)
+    assert (got.config, got.kv_note) == (own, None)
+    assert not record(kv, got, ready())
 
 
 def test_a_failed_start_with_the_budget_forgets_it(tmp_path: Path) -> None:
-    kv = KvBudget(tmp_path, lambda: "x")
-    kv.record(cfg(), ready())
-    assert not kv.forget()  # this launch had no budget: nothing to blame it on
-    kv.apply(cfg())
-    assert kv.forget()
-    assert kv.apply(cfg()) == (cfg(), None)
+    kv = KvBudget(tmp_path)
+    first = resolve(kv, cfg())
+    record(kv, first, ready())
+    assert not kv.forget(first.kv_budget)  # this launch had no budget: nothing to blame it on
+    assert kv.forget(resolve(kv, cfg()).kv_budget)
+    got = resolve(kv, cfg())
+    assert (got.config, got.kv_note) == (cfg(), None)
 
 
 def test_a_torn_file_means_profile(tmp_path: Path) -> None:
     (tmp_path / "kv_budget.json").write_text("{")
-    assert KvBudget(tmp_path, lambda: "x").apply(cfg()) == (cfg(), None)
-    assert not KvBudget(tmp_path, lambda: "x").record(cfg(), ready(None))
+    got = resolve(KvBudget(tmp_path), cfg())
+    assert (got.config, got.kv_note) == (cfg(), None)
+    assert not record(KvBudget(tmp_path), got, ready(None))
 
 
 def test_readahead_decides_and_advises(tmp_path: Path) -> None:
@@ -137,3 +155,20 @@ def test_units_put_vllms_caches_in_their_cache_directory_which_survives_upgrades
     guard_line = postrm[:guard].count("\n")
     removals = [i for i, line in code if "rm " in line and "/var/cache/qwen4090" in line]
     assert removals and all(i > guard_line for i in removals)
+
+
+def test_the_daemons_gpu_part_records_and_forgets_by_the_launch(tmp_path: Path) -> None:
+    """cli.py's timeline hooks: remember at READY, forget after a failed start given it."""
+    from qwen4090.gpu import GpuParts
+
+    c = from_dict({"vllm": {"model": "/m"}, "restart": {"fixed_kv_budget": True},
+                   "gpu": {"enabled": "off", "state_directory": str(tmp_path)}})
+    parts = GpuParts(Log(), env={})
+    first = parts.launch(c)
+    assert first.kv_budget is None and parts.remember_kv(first, ready())
+    assert not parts.forget_kv(first)  # it profiled: nothing to blame on the budget
+    second = parts.launch(c)
+    assert second.kv_budget == 4 * GIB and FLAG in second.argv
+    assert not parts.remember_kv(second, ready(3 * GIB))  # given the budget: not re-recorded
+    assert parts.forget_kv(second) and not (tmp_path / "kv_budget.json").exists()
+    assert parts.launch(c).kv_budget is None

@@ -84,15 +84,14 @@ def test_oom_step_down_with_an_unwritable_state_directory_is_kept_and_logged(
                               "gpu_memory_utilization": 0.16, "max_model_len": 40960},
                      "gpu": {"state_directory": str(unwritable(tmp_path)),
                              "plan_check": "warn"}})
-    res = PreflightResult()
-    parts.check_gpu(cfg, res)
-    assert res.config is not None
-    changes = parts.adjust_after_failure(
-        res.config, ExitVerdict(Cause.OOM, CONTEXT[:200], True), [CONTEXT])
+    launched = parts.launch(cfg)
+    parts.check(launched, PreflightResult())
+    changes = parts.step_down(
+        launched, cfg, ExitVerdict(Cause.OOM, CONTEXT[:200], True), [CONTEXT])
     assert changes and changes[0].startswith("max_model_len 40960 -> 30976")
     (event,) = [kw for _lvl, e, kw in log.events if e == "learned_not_saved"]
     assert event["file"].endswith("not-a-dir/state/learned.json")
     assert "gpu.state_directory" in event["hint"] and event["error"] == "Not a directory"
-    again = PreflightResult()
-    parts.check_gpu(cfg, again)  # the next launch of this process uses the step-down
-    assert again.config is not None and again.config.vllm.max_model_len == 30976
+    again = parts.launch(cfg)  # the next launch of this process uses the step-down
+    parts.check(again, PreflightResult())
+    assert again.config.vllm.max_model_len == 30976

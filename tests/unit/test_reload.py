@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import structlog
 from test_gpu_joints import CUDA_OOM, FINAL, debian_python, fake_venv  # noqa: F401
+from test_gpu_parts import GpuHolding, GpuLadder
 from test_supervisor import Harness
 
 from qwen4090 import cli, gpu, logs
@@ -147,7 +148,7 @@ def test_reload_that_restarts_vllm_ends_with_ready_and_no_second_start_ready() -
 
 def test_release_timeout_from_a_reload_applies_to_the_next_relaunch() -> None:
     h = Harness()
-    h.sup.p.gpu_held = lambda pids: "pid 1 (old) 20.0 GiB"  # never released
+    h.sup.p.gpu = GpuHolding(lambda pids: "pid 1 (old) 20.0 GiB")  # never released
     h.run_until(State.READY)
     hup(h, cfg_with(gpu={"release_timeout": 2.0}))
     h.child.exit(0)
@@ -161,7 +162,7 @@ def test_release_timeout_from_a_reload_applies_to_the_next_relaunch() -> None:
 def test_ladder_switched_off_by_a_reload_applies_to_the_next_oom() -> None:
     h = Harness()
     calls: list[Any] = []
-    h.sup.p.adjust_after_failure = lambda c, v, t: calls.append(c) or ["x 2 -> 1"]
+    h.sup.p.gpu = GpuLadder(lambda c, v, t: calls.append(c) or ["x 2 -> 1"])
     h.run_until(State.READY)
     hup(h, cfg_with(gpu={"ladder_min_util": 0.7}))
     h.child.exit(1, [CUDA_OOM, FINAL])

@@ -1,0 +1,149 @@
+"""What vLLM is launched with, and why: the one resolver of the launch settings.
+
+The daemon's preflight (gpu.py) and ``qwen4090 plan`` both call :func:`read_facts` and then
+:func:`resolve`, so on the same inputs they see the same GPU under the same name, one
+fingerprint and the same argv.  Each step works on the result of the one before:
+
+1. the configured values;
+2. the OOM limits learned from earlier restarts (learned.json), for this model and GPU only;
+3. "auto" limits chosen by the KV-cache plan (plan.py), when the GPU and the model are known
+   and ``gpu.enabled`` is not "off" (with it off the plan is only shown, never applied);
+4. the fixed KV budget of the last good start (``restart.fixed_kv_budget``, kvbudget.py).
+
+:func:`resolve` is pure (facts in, a :class:`Launch` out); :func:`read_facts` does the I/O.
+The commands that show and reset what a launch gets, ``plan`` and ``reset-learned``, are
+plancmd.py's.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qwen4090 import kvbudget, learned, plan
+from qwen4090.child import render_argv
+from qwen4090.config import Config
+from qwen4090.plan import GpuMemory, ModelFacts, Plan
+
+# The limits a launch may get from somewhere other than the config.
+LIMIT_KEYS = learned.KEYS
+KV_KEY = "kv_cache_memory_bytes"
+
+
+class Origin(enum.Enum):
+    CONFIGURED = "configured"
+    PLAN = "auto"  # "auto" chosen by the KV-cache plan
+    LEARNED = "learned"  # an OOM limit learned from an earlier restart
+    KV_BUDGET = "kv budget"  # the fixed KV budget of the last good start
+
+
+@dataclass(frozen=True)
+class Setting:
+    value: object
+    origin: Origin
+    why: str = ""
+
+    def as_json(self) -> dict[str, object]:
+        return {"value": self.value, "source": self.origin.value, "why": self.why}
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the launch depends on besides the config (read by :func:`read_facts`)."""
+
+    gpu: GpuMemory | str  # the one GPU description; a str says why there is none
+    model: ModelFacts | str = "no GPU to plan for"  # a str says why there is no plan
+    learned: Mapping[str, Any] = field(default_factory=dict)  # learned.json
+    kv_budget: Mapping[str, Any] = field(default_factory=dict)  # kv_budget.json
+
+
+@dataclass(frozen=True)
+class Launch:
+    config: Config  # what vLLM is launched with: every setting final
+    argv: tuple[str, ...]  # its command line (child.render_argv of config.vllm)
+    settings: dict[str, Setting]  # LIMIT_KEYS (+ KV_KEY when given): value and origin
+    gpu: GpuMemory | str  # the one GPU description; a str says why there is none
+    fingerprint: dict[str, Any]  # what learned settings (and the KV budget) belong to
+    plan: Plan | None = None
+    no_plan: str = ""  # why there is no plan (when the GPU is known)
+    learned: tuple[str, ...] = ()  # one line per learned value applied or ignored
+    kv_budget: int | None = None  # --kv-cache-memory-bytes given to this launch
+    kv_note: str | None = None  # the budget given, or why the remembered one was not
+
+    @property
+    def gpu_name(self) -> str:
+        return self.gpu.name if isinstance(self.gpu, GpuMemory) else "none"
+
+
+def fingerprint(cfg: Config, gpu: GpuMemory | str) -> dict[str, Any]:
+    """What learned settings belong to: the model's memory settings and the GPU; no GPU when
+    gpu.enabled = "off" or none is known (the ladder runs on vLLM's error texts alone)."""
+    if cfg.gpu.enabled == "off" or isinstance(gpu, str):
+        return learned.fingerprint(cfg, "", 0)
+    return learned.fingerprint(cfg, gpu.name, gpu.total_bytes)
+
+
+def read_facts(cfg: Config, env: Mapping[str, str], gpu: GpuMemory | str | None = None,
+               model: ModelFacts | str | None = None) -> Facts:
+    """The GPU (gpu.memory_gib, else NVML with the binding of vllm.command's venv; `gpu` when
+    the caller has it, as `plan --gpu-memory`), the model (only when the GPU is known), the
+    learned limits and the KV budget on disk (in learned.state_dir)."""
+    if gpu is None:
+        gpu = plan.gpu_memory(cfg) if cfg.gpu.enabled != "off" else "gpu.enabled = off"
+    if model is None:
+        model = read_model(cfg) if isinstance(gpu, GpuMemory) else "no GPU to plan for"
+    state = learned.state_dir(cfg, env)
+    kv = kvbudget.KvBudget(state).read() if cfg.restart.fixed_kv_budget else {}
+    return Facts(gpu, model, learned.LearnedStore(state).read(), kv)
+
+
+def read_model(cfg: Config) -> ModelFacts | str:
+    d = Path(cfg.vllm.model).expanduser()
+    if not (d / "config.json").is_file():
+        return f"{d} is not a local model directory"
+    try:
+        return plan.read_model(d)
+    except plan.PlanError as e:
+        return str(e)
+
+
+def configured(cfg: Config) -> Launch:
+    """The launch as configured, nothing learned, planned or remembered (no GPU part)."""
+    return resolve(cfg, Facts("no GPU part", "no GPU part"))
+
+
+def resolve(cfg: Config, facts: Facts) -> Launch:
+    """The launch for this config on these facts, and where each limit came from."""
+    fp = fingerprint(cfg, facts.gpu)
+    settings = {k: Setting(getattr(cfg.vllm, k), Origin.CONFIGURED) for k in LIMIT_KEYS}
+    taught, notes = learned.applied(cfg, facts.learned, fp)
+    for k in _changed(cfg, taught):
+        why = next((n for n in notes if n.startswith(k + " ")), "")
+        settings[k] = Setting(getattr(taught.vllm, k), Origin.LEARNED, why)
+    chosen, the_plan, no_plan = taught, None, ""
+    if isinstance(facts.gpu, GpuMemory):
+        if isinstance(facts.model, ModelFacts):
+            the_plan = plan.make_plan(taught, facts.model, facts.gpu)
+            if cfg.gpu.enabled != "off":
+                chosen = plan.resolved(taught, the_plan)
+        else:
+            no_plan = facts.model
+    for k in _changed(taught, chosen):
+        assert the_plan is not None
+        settings[k] = Setting(getattr(chosen.vllm, k), Origin.PLAN, the_plan.chosen.get(k, ""))
+    n, kv_note = kvbudget.budget(chosen, facts.kv_budget, fp)
+    if n is not None:
+        settings[KV_KEY] = Setting(n, Origin.KV_BUDGET, kv_note or "")
+        chosen = kvbudget.with_budget(chosen, n)
+    return Launch(config=chosen, argv=tuple(render_argv(chosen.vllm)), settings=settings,
+                  gpu=facts.gpu, fingerprint=fp, plan=the_plan, no_plan=no_plan,
+                  learned=tuple(notes), kv_budget=n, kv_note=kv_note)
+
+
+def _changed(before: Config, after: Config) -> list[str]:
+    if before is after:
+        return []
+    return [k for k in LIMIT_KEYS if getattr(before.vllm, k) != getattr(after.vllm, k)]
