@@ -22,6 +22,7 @@ from qwen4090.policy import (
     EX_SOFTWARE,
     EXIT_CODES,
     LEVELS,
+    engine_died,
     is_probe_access,
     parse_vllm_line,
 )
@@ -188,8 +189,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     def spawn(c: Config) -> Any:
         if c.restart.readahead:
             readahead.start(c.vllm.model, log)
-        return inst.spawn(c, lambda launch: child.spawn(
-            launch, on_line, env=caches.cache_environment(os.environ, launch.vllm.env)))
+        box: dict[str, Any] = {}  # this child, for its own lines (an old child's may come late)
+
+        def sink(stream: str, line: str) -> None:
+            on_line(stream, line)
+            if engine_died(line) and "sup" in holder:
+                holder["sup"].report_engine_dead(box.get("child"), line)
+                wake.wake()
+
+        box["child"] = inst.spawn(c, lambda launch: child.spawn(
+            launch, sink, env=caches.cache_environment(os.environ, launch.vllm.env)))
+        return box["child"]
 
     def kv_record(report: dict[str, Any]) -> None:
         if gpu.remember_kv(holder["sup"].launch, report):

@@ -52,6 +52,7 @@ class Cause(enum.Enum):
     RELOAD = "reload"  # a controlled restart after SIGHUP changed vLLM settings
     GPU_FATAL = "gpu_fatal"  # an Xid that needs a GPU reset or a reboot (xid.py)
     PORT_HELD = "port_held"  # vLLM could not listen: another process has its port (8.4)
+    ENGINE_DEAD = "engine_dead"  # vLLM said its EngineCore died; its API server still ran
 
 
 # Causes that are not failures of vLLM: they do not count against the budget.
@@ -121,6 +122,28 @@ def classify_exit(returncode: int, tail: Iterable[str], requested: Cause | None 
         return ExitVerdict(Cause.SIGNAL, signal_detail(-returncode, oom_evidence), retry=True)
     return ExitVerdict(Cause.CRASH, f"exit code {returncode}: " + _last_error(lines, ""),
                        retry=True)
+
+
+# vLLM's API server, once its EngineCore is gone: the MPClient's first line (vLLM 0.26 on the
+# H200, with or without a request) and the exception of every request after it.  Idle, the
+# API server itself exits only at its next watchdog check: 4.5-4.9 s later (measured, CPU and
+# H200), seconds of outage that these lines save.
+_ENGINE_DEAD = re.compile(r"engine core exited unexpectedly|EngineDeadError")
+
+
+def engine_died(line: str) -> bool:
+    """Whether a line of vLLM's says its EngineCore is gone (the API server lives on)."""
+    return _ENGINE_DEAD.search(line) is not None
+
+
+def engine_dead_verdict(tail: Iterable[str], line: str) -> ExitVerdict:
+    """The cause of a failure announced by vLLM's line: out of memory when its own texts say so
+    (the ladder must step down), else the EngineCore's death."""
+    for text in reversed(list(tail)):
+        for pat in _OOM_PATTERNS:
+            if pat.search(text):
+                return ExitVerdict(Cause.OOM, _clip(text), retry=True)
+    return ExitVerdict(Cause.ENGINE_DEAD, "vLLM's EngineCore died: " + _clip(line), retry=True)
 
 
 def signal_detail(signum: int, oom_evidence: str | None) -> str:

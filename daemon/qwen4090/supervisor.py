@@ -38,6 +38,7 @@ from qwen4090.policy import (
     canary_counts,
     classify_exit,
     drain_busy,
+    engine_dead_verdict,
 )
 from qwen4090.preflight import PreflightResult
 from qwen4090.probes.http import (
@@ -228,6 +229,8 @@ class Supervisor:
         self.old_pids: list[int] = []
         self.gone_at = now
         self.gpu_faults: deque[str] = deque()  # from the NVML Xid thread: only appends
+        # (child, line) from the pipe readers: vLLM said its EngineCore died (only appends)
+        self.engine_deaths: deque[tuple[object, str]] = deque()
         self.gpu_samples: deque[dict[str, Any]] = deque(maxlen=1)  # NVML sample thread: latest
         self.warmup_progress = ""
         self.last_warmup_step = now
@@ -276,6 +279,7 @@ class Supervisor:
         self.handle_gpu_faults(now)
         self.harvest(now)
         self.reap(now)
+        self.handle_engine_deaths(now)
         getattr(self, f"step_{self.state.value}")(now)
         self.heartbeat(now)
 
@@ -725,6 +729,14 @@ class Supervisor:
 
     def reclassify_exit(self, now: float) -> None:
         """The child's own exit, judged again now that its last lines are in (the tail)."""
+        if self.exit_rc is None and self.failure is not None \
+                and self.failure.cause is Cause.ENGINE_DEAD:
+            final = engine_dead_verdict(self.exit_tail, self.failure.detail)
+            if final.cause is Cause.OOM:  # the engine's own OOM text came after its death line
+                self.log.warning("exit_classified", cause=final.cause.value,
+                                 detail=final.detail, was=self.failure.cause.value)
+                self.failure = final
+            return
         if self.exit_rc is None or self.requested is not None or self.failure is None \
                 or self.failure.cause in (Cause.GPU_FATAL, Cause.PORT_HELD, Cause.PREFLIGHT):
             return  # judged already (a held port's wait must not be judged twice)
@@ -812,6 +824,24 @@ class Supervisor:
     def report_gpu_sample(self, fields: dict[str, Any]) -> None:
         """An NVML sample (called from the sample thread: only an append)."""
         self.gpu_samples.append(fields)
+
+    def report_engine_dead(self, child: object, line: str) -> None:
+        """vLLM's line that its EngineCore died (from a pipe reader thread: only an append)."""
+        self.engine_deaths.append((child, line))
+
+    def handle_engine_deaths(self, now: float) -> None:
+        """Restart at once when vLLM says its engine died: its API server would serve errors
+        until its own watchdog ends it, seconds later (issue 10.2)."""
+        while self.engine_deaths:
+            child, line = self.engine_deaths.popleft()
+            current = self.child
+            if current is None or child is not current or self.state in (
+                    S.RESTARTING, S.STOPPING) or self.state not in states.CHILD_STATES:
+                continue  # an old child's late line, or a stop/restart under way already
+            verdict = engine_dead_verdict(current.tail_lines(), line)
+            self.log.warning("engine_died", pid=current.pid, cause=verdict.cause.value,
+                             detail=verdict.detail)
+            self.fail(now, verdict)
 
     def handle_gpu_faults(self, now: float) -> None:
         while self.gpu_samples:  # the loop's thread hands the sample to the listeners

@@ -168,3 +168,17 @@ def test_validation_error_keeps_its_reason():
             "    For further information visit https://errors.pydantic.dev"]
     v = classify_exit(1, tail)
     assert v.cause is Cause.CRASH and "NoSuchModelForCausalLM" in v.detail
+
+
+def test_engine_death_lines_of_vllm_026_and_cpu_032() -> None:
+    from qwen4090.policy import engine_dead_verdict, engine_died
+
+    assert engine_died("[shutdown] MPClient: engine core exited unexpectedly; starting cleanup")
+    assert engine_died("(APIServer pid=7110) ERROR 12-01 08:51:18 [async_llm.py:906] "
+                       "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an "
+                       "issue. See stack trace (above) for the root cause.")
+    assert not engine_died("(APIServer pid=1) INFO:     Shutting down")
+    assert not engine_died("[shutdown] EngineCore: exiting busy loop")
+    v = engine_dead_verdict(["INFO: fine"], "engine core exited unexpectedly")
+    assert v.cause is Cause.ENGINE_DEAD and v.retry and "engine core exited" in v.detail
+    assert engine_dead_verdict(["CUDA out of memory"], "EngineDeadError").cause is Cause.OOM

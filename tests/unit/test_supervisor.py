@@ -294,6 +294,35 @@ def test_extend_timeout_only_while_output_flows():
     assert sum(m.startswith("EXTEND_TIMEOUT_USEC") for m in h.notifier.sent) == extends
 
 
+def test_engine_death_line_restarts_at_once_not_at_the_api_servers_exit():
+    # vLLM's API server outlives its EngineCore by up to its watchdog interval (4.5-4.9 s
+    # measured): its own line is the earliest sign.
+    h = Harness()
+    h.run_until(State.READY)
+    first = h.child
+    h.sup.report_engine_dead(first, "[shutdown] MPClient: engine core exited unexpectedly")
+    h.step(0.1)
+    assert h.sup.state == State.RESTARTING
+    assert h.sup.failure.cause is Cause.ENGINE_DEAD
+    assert signal.SIGTERM in first.signals  # the group is stopped, not waited for
+    assert "engine_died" in h.log.names()
+    h.run_until(State.READY)
+    assert h.child is not first and h.sup.restarts == 1
+    # a late line of the old child says nothing about the new one
+    h.sup.report_engine_dead(first, "vllm.v1.engine.exceptions.EngineDeadError: ...")
+    h.step(0.1)
+    assert h.sup.state == State.READY
+
+
+def test_engine_death_after_an_oom_text_is_an_oom_for_the_ladder():
+    h = Harness()
+    h.run_until(State.READY)
+    h.child.tail = ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"]
+    h.sup.report_engine_dead(h.child, "[shutdown] MPClient: engine core exited unexpectedly")
+    h.step(0.1)
+    assert h.sup.failure.cause is Cause.OOM
+
+
 def test_exit_zero_is_a_failure_and_restarts_with_backoff():
     h = Harness()
     h.run_until(State.READY)
