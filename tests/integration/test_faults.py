@@ -17,7 +17,9 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.integration.harness import Daemon, Stream, cpu_config, free_port, record, write_toml
+from tests.support.clients import Stream, record, sigterm_while_streaming, start_streams
+from tests.support.daemon import Daemon
+from tests.support.runtime import cpu_config, free_port, write_toml
 
 START_TIMEOUT = 240.0
 POLL = 1.0
@@ -152,18 +154,9 @@ def test_killed_api_server_is_seen_at_once(daemon: Daemon) -> None:
 def test_sigterm_with_streams_outliving_a_short_drain_ends_at_the_deadline(
         daemon: Daemon) -> None:
     port = daemon.port  # type: ignore[attr-defined]
-    streams = [Stream(port, [300 + i] * 16, 2000, timeout=120) for i in range(8)]
-    for st in streams:
-        st.start()
-    for st in streams:
-        assert st.started.wait(60), st.outcome()
-    mark = daemon.mark()
-    t0 = time.monotonic()
-    daemon.signal(signal.SIGTERM)
-    assert daemon.wait_exit(DRAIN_TIMEOUT + TERM_TIMEOUT + 30) == 0
-    t_exit = time.monotonic()
-    for st in streams:
-        st.join(30)
+    streams = start_streams(port, 300)
+    mark, t0, t_exit = sigterm_while_streaming(daemon, streams,
+                                               DRAIN_TIMEOUT + TERM_TIMEOUT + 30, join=30)
     assert not any(st.is_alive() for st in streams)
     timeout_ev = daemon.event("drain_timeout", mark)
     drained = daemon.event("drained", mark)

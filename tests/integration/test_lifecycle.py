@@ -18,16 +18,16 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.integration.harness import (
-    Daemon,
+from tests.support.clients import (
     Stream,
-    cpu_config,
-    free_port,
     log_wall,
     metrics_value,
     record,
-    write_toml,
+    sigterm_while_streaming,
+    start_streams,
 )
+from tests.support.daemon import Daemon
+from tests.support.runtime import cpu_config, free_port, write_toml
 
 START_TIMEOUT = 240.0
 HANG_TIMEOUT = 10.0
@@ -220,19 +220,10 @@ def test_sigterm_drains_eight_streams_then_stops_leaving_nothing(daemon: Daemon)
     daemon.descendants()
     assert daemon.pids_seen
     # 8 streams (max_num_seqs) of 2000 tokens each: ~9-10 s of work when SIGTERM arrives.
-    streams = [Stream(port, [400 + i] * 16, 2000, timeout=120) for i in range(8)]
-    for st in streams:
-        st.start()
-    for st in streams:
-        assert st.started.wait(60), st.outcome()
+    streams = start_streams(port, 400)
     assert all(st.chunks for st in streams), [st.outcome() for st in streams]
-    mark = daemon.mark()
-    t0 = time.monotonic()
-    daemon.signal(signal.SIGTERM)
-    assert daemon.wait_exit(DRAIN_TIMEOUT + TERM_TIMEOUT + 30) == 0
-    t_exit = time.monotonic()
-    for st in streams:
-        st.join(10)
+    mark, t0, t_exit = sigterm_while_streaming(daemon, streams,
+                                               DRAIN_TIMEOUT + TERM_TIMEOUT + 30, join=10)
     # every client got its whole stream, and the drain ended only after the last one
     assert all(st.done and st.finish_reason == "length" for st in streams), \
         [st.outcome() for st in streams]

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.harness import Daemon, cpu_config, free_port, write_toml
+from tests.support.daemon import Daemon
+from tests.support.runtime import cpu_config, free_port, write_toml
 
 START_TIMEOUT = 240.0
 

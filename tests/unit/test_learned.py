@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from test_gpu_parts import CONTEXT, h200, make_cfg  # noqa: F401  (h200 is a fixture)
-from test_supervisor import Log
+from tests.support.fakes import Log
 
 from qwen4090 import gpu, learned
 from qwen4090.config import from_dict
