@@ -173,7 +173,7 @@ def event_soon(d: Daemon, name: str, after: int = 0) -> dict[str, Any] | None:
     """An event logged right after READY (the log reader may not have it yet); None when this
     daemon does not log it (an older checkout)."""
     try:
-        return d.wait_for(lambda: d.event(name, after), 5.0, name)  # type: ignore[no-any-return]
+        return d.wait_for(lambda: d.event(name, after), 5.0, name)
     except AssertionError:
         return None
 

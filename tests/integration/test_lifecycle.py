@@ -120,6 +120,7 @@ def test_sighup_supervisor_setting_applies_live(daemon: Daemon) -> None:
     m2 = daemon.mark()
     daemon.wait_event("canary_ok", 10, after=m2)
     first = daemon.event("canary_ok", m2)
+    assert first is not None
     daemon.wait_for(lambda: daemon.event("canary_ok", daemon.events.index(first) + 1), 10,
                     "a second canary")
     drop.unlink()

@@ -135,7 +135,7 @@ class Proc:
                 raise AssertionError(f"{fail!r} seen while waiting for {pattern!r}"
                                      f"{self.where()}")
             return self._find_locked(pattern, after)
-        return self.wait_for(seen, timeout, repr(pattern))  # type: ignore[no-any-return]
+        return self.wait_for(seen, timeout, repr(pattern))
 
     def _find_locked(self, pattern: str, after: float) -> tuple[float, str] | None:
         rx = re.compile(pattern)
@@ -234,7 +234,7 @@ class Daemon(Proc):
 
     def wait_event(self, name: str, timeout: float, after: int = 0, **match: Any
                    ) -> dict[str, Any]:
-        return self.wait_for(lambda: self.event(name, after, **match), timeout,  # type: ignore[no-any-return]
+        return self.wait_for(lambda: self.event(name, after, **match), timeout,
                              f"log event {name} {match or ''}")
 
     def mark(self) -> int:
@@ -248,7 +248,7 @@ class Daemon(Proc):
         return None
 
     def wait_notify(self, field: str, timeout: float, after_time: float = 0.0) -> float:
-        return self.wait_for(lambda: self.notified(field, after_time), timeout,  # type: ignore[no-any-return]
+        return self.wait_for(lambda: self.notified(field, after_time), timeout,
                              f"sd_notify {field}")
 
     def statuses(self) -> list[str]:
@@ -289,7 +289,7 @@ class Daemon(Proc):
                 except psutil.Error:
                     continue
             return None
-        return self.wait_for(find, 30, "the EngineCore process")  # type: ignore[no-any-return]
+        return self.wait_for(find, 30, "the EngineCore process")
 
     def last_child_pid(self) -> int:
         with self.lock:

@@ -10,6 +10,7 @@ from tests.support.fakes import FakeProbe, Inline, Log, Notifier
 
 from qwen4090.config import Config, from_dict
 from qwen4090.instance import PortOwner
+from qwen4090.launch import Launch
 from qwen4090.policy import Cause, classify_exit
 from qwen4090.preflight import PreflightResult
 from qwen4090.probes.http import (
@@ -103,7 +104,7 @@ class Harness:
             executor=Inline(), log=self.log, clock=lambda: self.t, wall=lambda: 0.0,
             rand=random.Random(0), ports=self.ports))
 
-    def preflight(self, cfg: Config) -> PreflightResult:
+    def preflight(self, launch: Launch) -> PreflightResult:
         if self.ports.held_by is not None:
             return PreflightResult(transient=f"port in use by {self.ports.held_by}",
                                    port_holder=self.ports.held_by)
