@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fault -> READY, phase by phase: the real supervisor over a real vLLM, faults injected.
 
-For each scenario the bench starts ``qwen4090 run`` (tests/integration/harness.py's Daemon:
+For each scenario the bench starts ``qwen4090 run`` (tests/support/daemon.py's Daemon:
 a real NOTIFY_SOCKET, JSON logs read as they arrive), waits for READY, injects the fault and
 times, on its own monotonic clock, every step the supervisor logs: detected (state ->
 restarting), group gone, relaunched (child_spawned), /health (-> warming), READY.  The same

@@ -47,9 +47,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Any:
         stop={"drain_timeout": DRAIN_TIMEOUT, "term_timeout": TERM_TIMEOUT},
         status={"enabled": False}))
     (tmp / "conf.d").mkdir()
-    d = Daemon(cfg, tmp)
-    d.port = port  # type: ignore[attr-defined]
-    d.tmp = tmp  # type: ignore[attr-defined]
+    d = Daemon(cfg, tmp, port=port)
     yield d
     d.close()
 
@@ -86,13 +84,13 @@ def test_ready_is_notified_only_after_warmup(daemon: Daemon) -> None:
 
 
 def test_serves_requests(daemon: Daemon) -> None:
-    out = complete(daemon.port)  # type: ignore[attr-defined]
+    out = complete(daemon.port)
     assert out["choices"][0]["text"]
 
 
 def test_sighup_with_broken_config_keeps_serving(daemon: Daemon) -> None:
     pid = daemon.last_child_pid()
-    bad = daemon.tmp / "conf.d" / "90-bad.toml"  # type: ignore[attr-defined]
+    bad = daemon.tmp / "conf.d" / "90-bad.toml"
     bad.write_text("[watch]\nhang_timeout = \"soon\"\n")
     mark, t0 = daemon.mark(), time.monotonic()
     daemon.signal(signal.SIGHUP)
@@ -103,12 +101,12 @@ def test_sighup_with_broken_config_keeps_serving(daemon: Daemon) -> None:
     daemon.wait_notify("READY=1", 10, after_time=t0)
     bad.unlink()
     assert daemon.last_child_pid() == pid and daemon.state() == "ready"
-    assert complete(daemon.port)["choices"]  # type: ignore[attr-defined]
+    assert complete(daemon.port)["choices"]
 
 
 def test_sighup_supervisor_setting_applies_live(daemon: Daemon) -> None:
     pid = daemon.last_child_pid()
-    drop = daemon.tmp / "conf.d" / "50-canary.toml"  # type: ignore[attr-defined]
+    drop = daemon.tmp / "conf.d" / "50-canary.toml"
     drop.write_text("[watch]\ncanary_interval = 2.0\n")
     mark = daemon.mark()
     daemon.signal(signal.SIGHUP)
@@ -159,11 +157,11 @@ def test_killed_engine_core_is_healed(daemon: Daemon) -> None:
     assert daemon.last_child_pid() != old_pid
     assert not [p for p in old_tree if psutil.pid_exists(p)
                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert complete(daemon.port)["choices"]  # type: ignore[attr-defined]
+    assert complete(daemon.port)["choices"]
 
 
 def test_stopped_engine_core_is_a_hang_and_is_healed(daemon: Daemon) -> None:
-    port = daemon.port  # type: ignore[attr-defined]
+    port = daemon.port
     engine = daemon.engine_core()
     # Requests that surely outlive the wait: streams to max_model_len (16 + 2000 tokens,
     # ~9 s each at the tiny model's ~220 tokens/s), several so one is always running.
@@ -217,7 +215,7 @@ def test_stopped_engine_core_is_a_hang_and_is_healed(daemon: Daemon) -> None:
 
 
 def test_sigterm_drains_eight_streams_then_stops_leaving_nothing(daemon: Daemon) -> None:
-    port = daemon.port  # type: ignore[attr-defined]
+    port = daemon.port
     daemon.descendants()
     assert daemon.pids_seen
     # 8 streams (max_num_seqs) of 2000 tokens each: ~9-10 s of work when SIGTERM arrives.
@@ -241,4 +239,4 @@ def test_sigterm_drains_eight_streams_then_stops_leaving_nothing(daemon: Daemon)
     # and the port is free again (TIME_WAIT of old client connections aside)
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", daemon.port))  # type: ignore[attr-defined]
+        s.bind(("127.0.0.1", daemon.port))

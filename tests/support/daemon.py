@@ -174,14 +174,18 @@ class Proc:
 class Daemon(Proc):
     """``python -m qwen4090 run --config CONFIG`` with a NOTIFY_SOCKET in ``tmp``.
 
-    ``own_runtime_dir``: ``tmp`` is its RUNTIME_DIRECTORY= (the instance lock and child record,
-    as systemd would give; daemons of one test share them); False leaves the environment's.
+    ``port``: vLLM's port, kept for the test's clients.  ``own_runtime_dir``: ``tmp`` is its
+    RUNTIME_DIRECTORY= (the instance lock and child record, as systemd would give; daemons of
+    one test share them); False leaves the environment's.
     """
 
     unset = ("WATCHDOG_USEC",)  # systemd's watchdog is not ours to feed
 
-    def __init__(self, config_path: Path, tmp: Path, *, own_runtime_dir: bool = True,
-                 log_path: Path | None = None, cwd: Path | None = None) -> None:
+    def __init__(self, config_path: Path, tmp: Path, *, port: int = 0,
+                 own_runtime_dir: bool = True, log_path: Path | None = None,
+                 cwd: Path | None = None) -> None:
+        self.config_path, self.tmp = config_path, tmp
+        self.port = port  # vLLM's, for the test's clients (0: not said)
         self.notify_path = str(tmp / f"notify-{os.getpid()}-{time.monotonic_ns()}.sock")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.notify_path)
