@@ -120,12 +120,8 @@ class Proc:
 
     def find(self, pattern: str, after: float = -1.0) -> tuple[float, str] | None:
         """The first line after ``after`` (seconds since launch) that matches ``pattern``."""
-        rx = re.compile(pattern)
         with self.lock:
-            for t, line in self.lines:
-                if t > after and rx.search(line):
-                    return t, line
-        return None
+            return self._find_locked(pattern, after)
 
     def wait_line(self, pattern: str, timeout: float, after: float = -1.0,
                   fail: str | None = None) -> tuple[float, str]:
