@@ -16,10 +16,9 @@ import argparse
 import os
 import platform
 import signal
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -27,7 +26,10 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "daemon"))
+
+from tests.support.daemon import Daemon, Proc  # noqa: E402
 
 from qwen4090 import config as config_mod  # noqa: E402
 from qwen4090.child import render_argv, render_env  # noqa: E402
@@ -51,35 +53,19 @@ def ttft_ms(probe: VllmProbe) -> float:
     return r.ttft * 1000
 
 
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(10)
-
-
 def run_raw(cfg: config_mod.Config) -> dict[str, float]:
     v = cfg.vllm
     probe = VllmProbe(v.host, v.port, v.served_model_name)
-    t0 = time.monotonic()
-    proc = subprocess.Popen(render_argv(v), env=render_env(v, os.environ, None),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = Proc(render_argv(v), env=render_env(v, os.environ, None)).start()
     try:
-        t_health = wait_health(probe, t0 + 600)
+        t_health = wait_health(probe, proc.t0 + 600)
         if t_health is None:
             raise RuntimeError("raw vLLM never answered /health")
         first = ttft_ms(probe)
         warm = statistics.median(ttft_ms(probe) for _ in range(5))
-        return {"health_s": t_health - t0, "first_ttft_ms": first, "warm_ttft_ms": warm}
+        return {"health_s": t_health - proc.t0, "first_ttft_ms": first, "warm_ttft_ms": warm}
     finally:
-        kill_group(proc)
+        proc.stop(signal.SIGTERM, 30)
 
 
 def load(probe: VllmProbe, stop: threading.Event, counts: dict[str, int], n: int = 4) -> None:
@@ -111,52 +97,37 @@ def sample(proc: psutil.Process, seconds: float) -> tuple[float, float]:
 def run_supervised(cfg_path: Path, cfg: config_mod.Config, window: float) -> dict[str, float]:
     v = cfg.vllm
     probe = VllmProbe(v.host, v.port, v.served_model_name)
-    sock_path = f"/tmp/qwen4090-bench-{os.getpid()}.sock"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(sock_path)
-    sock.settimeout(1)
-    env = {**os.environ, "NOTIFY_SOCKET": sock_path, "PYTHONPATH": str(ROOT / "daemon")}
-    t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "qwen4090", "run", "--config", str(cfg_path)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    t_health = None
-    try:
-        t_ready = None
-        health_thread_result: list[float] = []
-        th = threading.Thread(target=lambda: health_thread_result.append(
-            wait_health(probe, t0 + 600) or 0.0), daemon=True)
-        th.start()
-        while time.monotonic() - t0 < 600 and t_ready is None:
+    with tempfile.TemporaryDirectory(prefix="qwen4090-bench-") as tmp:
+        d = Daemon(cfg_path, Path(tmp), own_runtime_dir=False)
+        try:
+            health_thread_result: list[float] = []
+            th = threading.Thread(target=lambda: health_thread_result.append(
+                wait_health(probe, d.t0 + 600) or 0.0), daemon=True)
+            th.start()
             try:
-                if b"READY=1" in sock.recv(4096).split(b"\n"):
-                    t_ready = time.monotonic()
-            except TimeoutError:
-                if proc.poll() is not None:
-                    raise RuntimeError("qwen4090 exited before READY=1") from None
-        if t_ready is None:
-            raise RuntimeError("no READY=1")
-        first = ttft_ms(probe)
-        warm = statistics.median(ttft_ms(probe) for _ in range(5))
-        th.join(5)
-        t_health = health_thread_result[0] if health_thread_result else 0.0
-        sup = psutil.Process(proc.pid)
-        idle_cpu, idle_rss = sample(sup, window)
-        stop = threading.Event()
-        counts = {"ok": 0, "failed": 0}
-        loader = threading.Thread(target=load, args=(probe, stop, counts), daemon=True)
-        loader.start()
-        load_cpu, load_rss = sample(sup, window)
-        stop.set()
-        loader.join(80)
-        return {"health_s": t_health - t0, "ready_s": t_ready - t0, "first_ttft_ms": first,
-                "warm_ttft_ms": warm, "idle_cpu_pct": idle_cpu, "idle_rss_mib": idle_rss,
-                "load_cpu_pct": load_cpu, "load_rss_mib": load_rss,
-                "load_ok": counts["ok"], "load_failed": counts["failed"]}
-    finally:
-        kill_group(proc)
-        sock.close()
-        os.unlink(sock_path)
+                t_ready = d.wait_notify("READY=1", 600)
+            except AssertionError as e:
+                raise RuntimeError(f"no READY=1: {str(e).splitlines()[0]}") from None
+            first = ttft_ms(probe)
+            warm = statistics.median(ttft_ms(probe) for _ in range(5))
+            th.join(5)
+            t_health = health_thread_result[0] if health_thread_result else 0.0
+            sup = psutil.Process(d.proc.pid)
+            idle_cpu, idle_rss = sample(sup, window)
+            stop = threading.Event()
+            counts = {"ok": 0, "failed": 0}
+            loader = threading.Thread(target=load, args=(probe, stop, counts), daemon=True)
+            loader.start()
+            load_cpu, load_rss = sample(sup, window)
+            stop.set()
+            loader.join(80)
+            return {"health_s": t_health - d.t0, "ready_s": t_ready - d.t0,
+                    "first_ttft_ms": first, "warm_ttft_ms": warm, "idle_cpu_pct": idle_cpu,
+                    "idle_rss_mib": idle_rss, "load_cpu_pct": load_cpu,
+                    "load_rss_mib": load_rss, "load_ok": counts["ok"],
+                    "load_failed": counts["failed"]}
+        finally:
+            d.stop(signal.SIGTERM, 30)
 
 
 def main() -> int:

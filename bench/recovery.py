@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fault -> READY, phase by phase: the real supervisor over a real vLLM, faults injected.
 
-For each scenario the bench starts ``qwen4090 run`` (tests/integration/harness.py's Daemon:
+For each scenario the bench starts ``qwen4090 run`` (tests/support/daemon.py's Daemon:
 a real NOTIFY_SOCKET, JSON logs read as they arrive), waits for READY, injects the fault and
 times, on its own monotonic clock, every step the supervisor logs: detected (state ->
 restarting), group gone, relaunched (child_spawned), /health (-> warming), READY.  The same
@@ -45,8 +45,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "daemon"))
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
-from tests.integration import harness  # noqa: E402
-from tests.integration.harness import Daemon, free_port, write_toml  # noqa: E402
+from tests.support import daemon as daemon_mod  # noqa: E402
+from tests.support.daemon import Daemon  # noqa: E402
+from tests.support.runtime import cpu_config, free_port, require_runtime, write_toml  # noqa: E402
 
 STEPS = ("detected", "group_gone", "relaunched", "health", "ready")
 READY_TIMEOUT = 540.0
@@ -55,7 +56,7 @@ THROUGHPUT_CONCURRENCY = int(os.environ.get("QWEN4090_BENCH_CONCURRENCY", "32"))
 
 def base_config(base: str, tmp: Path) -> dict[str, dict[str, Any]]:
     if base == "cpu":
-        cfg = harness.cpu_config(free_port())
+        cfg = cpu_config(free_port())
         cfg["status"] = {"enabled": False}
         cfg["gpu"] = {"enabled": "off", "state_directory": str(tmp / "state")}
         return cfg
@@ -172,7 +173,7 @@ def event_soon(d: Daemon, name: str, after: int = 0) -> dict[str, Any] | None:
     """An event logged right after READY (the log reader may not have it yet); None when this
     daemon does not log it (an older checkout)."""
     try:
-        return d.wait_for(lambda: d.event(name, after), 5.0, name)  # type: ignore[no-any-return]
+        return d.wait_for(lambda: d.event(name, after), 5.0, name)
     except AssertionError:
         return None
 
@@ -196,7 +197,8 @@ def run_scenario(name: str, cfg: dict[str, dict[str, Any]], tmp: Path, cache: Pa
     port = int(cfg["vllm"]["port"])
     conf = write_toml(tmp / f"{name}.toml", cfg)
     if repo is not None:
-        harness.REPO = repo  # the Daemon runs that checkout's qwen4090 (PYTHONPATH=REPO/daemon)
+        # the Daemon runs that checkout's qwen4090 (PYTHONPATH=REPO/daemon first)
+        daemon_mod.DAEMON_SRC = repo / "daemon"
     t_launch = time.monotonic()
     d = Daemon(conf, tmp)
     load: Load | None = None
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if args.base == "cpu":
-        harness.require_runtime()
+        require_runtime()
     tmp = Path(tempfile.mkdtemp(prefix="qwen4090-recovery-"))
     cache = args.cache or tmp / "vllm-cache"
     cfg = base_config(args.base, tmp)

@@ -39,6 +39,7 @@ if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
         | xargs -0 sh -c 'for f; do [ -f "$f" ] && printf "%s\0" "$f"; done' sh \
         | tar -c --null -T - | tar -x -C "$TREE"
 else
+    # shellcheck disable=SC2046  # the ls lists those of the two files that exist: split on purpose
     tar -c --exclude=__pycache__ --exclude='*.egg-info' --exclude='*.pyc' --exclude=packaging/debian \
         pyproject.toml daemon etc tests packaging docs scripts $(ls README.md LICENSE 2>/dev/null) \
         | tar -x -C "$TREE"

@@ -15,6 +15,7 @@ case $SUITE in
     # Debian 12 has no ubuntu-keyring package: with its keyring file use it, else the throw-away
     # chroot trusts the archive unsigned ([trusted=yes]; nothing built there is shipped).
     jammy|noble) MIRROR=${2:-http://archive.ubuntu.com/ubuntu}
+                 # shellcheck disable=SC2054  # main,universe is one debootstrap argument
                  if [ -f /usr/share/keyrings/ubuntu-archive-keyring.gpg ]; then
                      EXTRA=(--components=main,universe --keyring=/usr/share/keyrings/ubuntu-archive-keyring.gpg)
                  else

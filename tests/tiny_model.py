@@ -10,11 +10,15 @@ usage: python make_tiny_model.py OUT_DIR [--vocab 2048] [--head-dim 32]
                                          [--layers 2] [--weights]
                                          [--dtype bfloat16|float32]
 """
+from __future__ import annotations
+
 import argparse
 import glob
 import json
 import os
 import sysconfig
+from collections.abc import Iterator
+from typing import Any
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -25,7 +29,7 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def corpus(limit_files=400):
+def corpus(limit_files: int = 400) -> Iterator[Any]:
     """Yield text from the standard library's .py files (sorted: reproducible)."""
     stdlib = sysconfig.get_paths()["stdlib"]
     files = sorted(glob.glob(os.path.join(stdlib, "*.py")))[:limit_files]
@@ -34,7 +38,7 @@ def corpus(limit_files=400):
             yield f.read()
 
 
-def build_tokenizer(out, vocab):
+def build_tokenizer(out: str, vocab: int) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -67,7 +71,7 @@ def build_tokenizer(out, vocab):
     return tok
 
 
-def main():
+def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary to train")
@@ -132,7 +136,7 @@ def main():
     print(f"wrote {a.out}: tokenizer {n_tok} tokens, config vocab {vocab_size}, eos id {eos}")
 
 
-def write_random_weights(a, vocab_size):
+def write_random_weights(a: Any, vocab_size: int) -> Any:
     import torch
     from safetensors.torch import save_file
 
@@ -140,7 +144,7 @@ def write_random_weights(a, vocab_size):
     dt = getattr(torch, a.dtype)
     h, i, hd = a.hidden, a.intermediate, a.head_dim
 
-    def w(*shape):
+    def w(*shape: Any) -> Any:
         return (torch.randn(*shape, generator=g) * 0.02).to(dt)
 
     t = {"model.embed_tokens.weight": w(vocab_size, h), "model.norm.weight": torch.ones(h, dtype=dt)}

@@ -16,7 +16,7 @@
 # model), into a scratch root $QWEN4090_INSTALL_ROOT (default /tmp/qwen4090-installed), as the
 # calling user (no useradd, no /etc changes); for finding bugs in this script, not as proof.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 REPO=$PWD
 stage=${1:-all}
 OUT=${OUT:-/tmp/qwen4090_installed_out}
@@ -77,6 +77,7 @@ q_user() { # the installed qwen4090 as the service user
     fi
 }
 
+# shellcheck disable=SC2120  # its $2.. are the fields of a sysusers.d line (set -- inside)
 do_install() {
     [ -f "$DEB" ] || die "no .deb (make deb here, carry dist/)"
     log "install the files of $(basename "$DEB") into ${R:-/} (dpkg -x: no systemd here to run the maintainer scripts)"
@@ -175,19 +176,10 @@ do_install() {
     log "drop-in $ETC/conf.d/50-gpu.toml on top of the shipped $CONF"
     mkdir -p "$ETC/conf.d"
     if [ "$DRY" = 1 ]; then
-        cat >"$ETC/conf.d/50-gpu.toml" <<EOF
-[vllm]
-command = ["$VENV/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
-model = "$LIB/models/model"
-served_model_name = "tiny"
-port = $VLLM_PORT
-dtype = "float32"
-enforce_eager = true
-max_model_len = 2048
-max_num_seqs = 8
-max_num_batched_tokens = 2048
-extra_args = ["--load-format", "dummy"]
-env = { VLLM_CPU_KVCACHE_SPACE = "1", HF_HUB_OFFLINE = "1" }
+        # the tests' CPU runtime config (tests/support/runtime.py) for this venv and model
+        python3 "$REPO/tests/support/runtime.py" vllm --port "$VLLM_PORT" \
+            --python "$VENV/bin/python" --model "$LIB/models/model" >"$ETC/conf.d/50-gpu.toml"
+        cat >>"$ETC/conf.d/50-gpu.toml" <<EOF
 [warmup]
 lengths = [16, 256]
 concurrency = [1, 4]
@@ -280,7 +272,7 @@ do_run() {
         fi
     ) >"$OUT/daemon.log" 2>&1 &
     SUP=$!
-    local t=$(date +%s)
+    local t; t=$(date +%s)
     wait_ready 540 first || { tail -n 40 "$OUT/daemon.log"; kill -9 "$SUP"; die "no READY"; }
     log "READY after $(( $(date +%s) - t ))s: $(head -n1 "$OUT/status-first.txt")"
     sleep 6   # one GPU sample interval (5 s) so the samples are in /status and /metrics

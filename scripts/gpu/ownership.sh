@@ -6,21 +6,9 @@
 # ../shared/gpu installed, .whl/ carried); about 2 supervised starts (~5 min on the H200).
 #   bash scripts/gpu/ownership.sh            results: $OUT/results-ownership.tgz
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/qwen4090_gpu_out}
-mkdir -p "$OUT"
-export QWEN4090_GPU_RESULTS=${QWEN4090_GPU_RESULTS:-/tmp/qwen4090_gpu_results}
-if ! python3 -c 'import structlog' 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || { echo "cannot install .whl/*.whl"; exit 1; }
-fi
-if ! python3 -c 'import compressed_tensors, loguru' 2>/dev/null && [ -d /tmp/vllm_lab/bundle/whl_extra ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile \
-    /tmp/vllm_lab/bundle/whl_extra/compressed_tensors-*.whl /tmp/vllm_lab/bundle/whl_extra/loguru-*.whl
-fi
-export PYTHONPATH=$PWD/daemon:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
-export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/../.." || exit 1
+# shellcheck source=scripts/gpu/kit.sh
+. scripts/gpu/kit.sh
 python3 -m pytest tests/gpu/test_gpu_ownership.py -m gpu -p no:cacheprovider -q -s -rs 2>&1 \
   | tee "$OUT/pytest-ownership.log"
 rc=${PIPESTATUS[0]}

@@ -14,7 +14,7 @@
 # Results: $OUT/recovery-<stage>.json (+ .log); docs/recovery.md says how to read them.
 # Env: OUT, QWEN4090_GPU_MODEL, CACHE (VLLM_CACHE_ROOT, default /tmp/qwen4090_recovery_cache).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 stage=${1:?usage: recovery.sh cold|crash|hang|kvbudget|env}
 OUT=${OUT:-/tmp/qwen4090_gpu_out}
 CACHE=${CACHE:-/tmp/qwen4090_recovery_cache}

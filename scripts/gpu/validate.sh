@@ -9,25 +9,10 @@
 #   bash scripts/gpu/validate.sh all         all of them in that order
 # Env: QWEN4090_GPU_MODEL (default /tmp/vllm_lab/model: the dummy Qwen3-14B), OUT.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 stage=${1:-all}
-OUT=${OUT:-/tmp/qwen4090_gpu_out}
-mkdir -p "$OUT"
-export QWEN4090_GPU_RESULTS=${QWEN4090_GPU_RESULTS:-/tmp/qwen4090_gpu_results}
-# structlog is not in the device image: it travels as a wheel in .whl/ (carry it); psutil and
-# nvidia-ml-py are in the image.
-if ! python3 -c 'import structlog' 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || { echo "cannot install .whl/*.whl"; exit 1; }
-fi
-# --quantization fp8 needs compressed-tensors and loguru (the kit carries them as fallbacks)
-if ! python3 -c 'import compressed_tensors, loguru' 2>/dev/null && [ -d /tmp/vllm_lab/bundle/whl_extra ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile \
-    /tmp/vllm_lab/bundle/whl_extra/compressed_tensors-*.whl /tmp/vllm_lab/bundle/whl_extra/loguru-*.whl
-fi
-export PYTHONPATH=$PWD/daemon:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
-export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+# shellcheck source=scripts/gpu/kit.sh
+. scripts/gpu/kit.sh
 case $stage in
   nvml) k="test_gpu_nvml" ;;
   raw) k="test_raw" ;;

@@ -1,18 +1,16 @@
 """The shipped units' DeviceAllow= against the real NVIDIA driver of the GPU machine: every
 character device /dev/nvidia* (and /dev/nvidia-caps/*) must be allowed, as systemd resolves
-char-NAME through /proc/devices at start (tests/unitfile.py). No vLLM, well under a second."""
+char-NAME through /proc/devices at start (tests/support/unitfile.py). No vLLM, well under a
+second."""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: shared support code
-import unitfile
+from tests.support import unitfile
 
 pytestmark = pytest.mark.gpu
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import lab
 import pytest
+from tests.support.fakes import Log
 
 from qwen4090 import gpu
 from qwen4090.config import load
@@ -19,14 +20,6 @@ from qwen4090.preflight import PreflightResult
 from qwen4090.probes import nvml
 
 pytestmark = pytest.mark.gpu
-
-
-class Log:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str, dict[str, Any]]] = []
-
-    def __getattr__(self, level: str) -> Any:
-        return lambda event, **kw: self.events.append((level, event, kw))
 
 
 def test_memory_sample_driver_and_xid_watch() -> None:
@@ -101,11 +94,11 @@ def test_another_process_holding_memory_is_named(tmp_path: Path) -> None:
 def test_plan_from_nvml(tmp_path: Path) -> None:
     conf = lab.write_config(tmp_path / "q.toml")
     r = subprocess.run([sys.executable, "-m", "qwen4090", "plan", "-c", str(conf), "--json"],
-                       capture_output=True, text=True, env=lab.py_env())
+                       capture_output=True, text=True, env=lab.daemon_env())
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
     text = subprocess.run([sys.executable, "-m", "qwen4090", "plan", "-c", str(conf)],
-                          capture_output=True, text=True, env=lab.py_env()).stdout
+                          capture_output=True, text=True, env=lab.daemon_env()).stdout
     lab.save("plan_nvml", {"json": plan, "text": text})
     assert plan["kv_bytes_per_token"] == 163_840 and plan["fits"]
 
@@ -123,7 +116,7 @@ def test_plan_reads_the_gpu_through_vllms_venv_when_python_has_no_pynvml(tmp_pat
     shadow = tmp_path / "no-pynvml"
     shadow.mkdir()
     (shadow / "pynvml.py").write_text("raise ImportError('as on Debian python3')\n")
-    env = lab.py_env()
+    env = lab.daemon_env()
     env["PYTHONPATH"] = f"{shadow}:{env.get('PYTHONPATH', '')}".rstrip(":")
     r = subprocess.run([sys.executable, "-m", "qwen4090", "plan", "-c", str(conf), "--json"],
                        capture_output=True, text=True, env=env)

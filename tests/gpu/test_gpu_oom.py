@@ -32,7 +32,7 @@ def test_plan_refuses_before_launch(tmp_path: Path) -> None:
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "qwen4090", "run", "-c", str(conf)],
                        capture_output=True, text=True, timeout=120,
-                       env=lab.py_env())
+                       env=lab.daemon_env())
     took = time.monotonic() - t0
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "giving_up" in ln]
     lab.save("oom_refused", {"exit_code": r.returncode, "seconds": round(took, 2),
@@ -45,7 +45,7 @@ def test_real_oom_healed_by_the_ladder_and_learned(tmp_path: Path) -> None:
     res: dict[str, Any] = {}
     sup = lab.supervisor(conf, lab.RESULTS / "oom-run1.log")
     try:
-        t_ready, _ = sup.wait_for(r'"event":"ready_notified"', 560, fail=r'"event":"giving_up"')
+        t_ready, _ = sup.wait_line(r'"event":"ready_notified"', 560, fail=r'"event":"giving_up"')
         res["run1_ready_s"] = round(t_ready, 2)
         res["run1"] = [ev for _, ev in lab.events(sup) if ev.get("event") in (
             "kv_plan", "preflight_warning", "child_exited", "oom_step_down", "learned_saved",
@@ -61,7 +61,7 @@ def test_real_oom_healed_by_the_ladder_and_learned(tmp_path: Path) -> None:
     res["learned_json"] = learned
     sup2 = lab.supervisor(conf, lab.RESULTS / "oom-run2.log")
     try:
-        t2, _ = sup2.wait_for(r'"event":"ready_notified"', 300, fail=r'"event":"giving_up"')
+        t2, _ = sup2.wait_line(r'"event":"ready_notified"', 300, fail=r'"event":"giving_up"')
         res["run2_ready_s"] = round(t2, 2)
         res["run2"] = [ev for _, ev in lab.events(sup2) if ev.get("event") in (
             "learned_applied", "kv_plan", "child_spawned", "child_exited", "ready_notified")]

@@ -36,26 +36,26 @@ def test_gpu_orphan_is_stopped_and_its_memory_released(tmp_path: Path) -> None:
     engines: list[int] = []
     res: dict[str, Any] = {}
     try:
-        t_ready, _ = first.wait_for(READY, 540, fail=GIVING_UP)
+        t_ready, _ = first.wait_line(READY, 540, fail=GIVING_UP)
         res["first_ready_s"] = round(t_ready, 2)
         engines = lab.engine_pids() + [int(ev["pid"]) for _, ev in lab.events(
             first, "child_spawned")]
         assert len(engines) >= 2, "no EngineCore process found"
         res["vllm_pids"] = engines
         res["nvml_used_mib_serving"] = lab.nvml_used_mib()
-        os.kill(first.p.pid, signal.SIGKILL)  # the supervisor only: vLLM is in its own session
-        first.p.wait(30)
+        os.kill(first.proc.pid, signal.SIGKILL)  # the supervisor only: vLLM is in its own session
+        first.proc.wait(30)
         status, _ = lab.get("/health")
         res["orphan_health"] = status
         assert status == 200, "the orphaned vLLM should still serve"
         res["nvml_used_mib_orphan"] = lab.nvml_used_mib()
         t0 = time.monotonic()
         second = lab.supervisor(conf, lab.RESULTS / "orphan-second.log")
-        t_found, found = second.wait_for(r'"event":"orphan_found"', 60)
-        t_stopped, stopped = second.wait_for(r'"event":"orphan_stopped"', 120)
+        t_found, found = second.wait_line(r'"event":"orphan_found"', 60)
+        t_stopped, stopped = second.wait_line(r'"event":"orphan_stopped"', 120)
         released = second.find(r'"event":"gpu_released"') or second.find(
             r'"event":"gpu_not_released"')
-        t_ready2, _ = second.wait_for(READY, 540, fail=GIVING_UP)
+        t_ready2, _ = second.wait_line(READY, 540, fail=GIVING_UP)
         res.update({
             "orphan_found_s": round(t_found, 2), "orphan_stopped_s": round(t_stopped, 2),
             "orphan_found": found[-400:], "orphan_stopped": stopped[-300:],

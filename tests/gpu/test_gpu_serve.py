@@ -66,8 +66,8 @@ def test_raw_vllm_serve_without_warmup(tmp_path: Path) -> None:
     lab.RESULTS.mkdir(parents=True, exist_ok=True)
     proc.start()
     try:
-        assert lab.wait_until(lambda: _health() or proc.p.poll() is not None, 540, 0.25)
-        assert proc.p.poll() is None, f"vLLM exited {proc.p.returncode}: {proc.lines[-3:]}"
+        assert lab.wait_until(lambda: _health() or proc.proc.poll() is not None, 540, 0.25)
+        assert proc.proc.poll() is None, f"vLLM exited {proc.proc.returncode}: {proc.lines[-3:]}"
         t_health = proc.elapsed()
         first = lab.ttft_series(seed=1)  # the very first requests: no warmup ran
         warm = lab.ttft_series(seed=2)
@@ -93,7 +93,7 @@ def test_supervised_ready_ttft_and_hang_healed(tmp_path: Path) -> None:
     sup = lab.supervisor(conf, lab.RESULTS / "supervised.log")
     res: dict[str, Any] = {}
     try:
-        t_ready, _ = sup.wait_for(r'"event":"ready_notified"', 540, fail=r'"event":"giving_up"')
+        t_ready, _ = sup.wait_line(r'"event":"ready_notified"', 540, fail=r'"event":"giving_up"')
         res["ready_s"] = round(t_ready, 2)
         res["health_ok_s"] = next((round(t, 2) for t, _ in lab.events(sup, "health_ok")), None)
         res["timeline"] = timeline(sup)
@@ -115,8 +115,8 @@ def test_supervised_ready_ttft_and_hang_healed(tmp_path: Path) -> None:
         t_stop = sup.elapsed()
         for pid in engines:
             lab.os.kill(pid, signal.SIGSTOP)
-        t_hang, hang_line = sup.wait_for(r'"event":"hang_detected"', 120, after=t_stop)
-        t_back, _ = sup.wait_for(r'"to":"ready"', 400, after=t_hang,
+        t_hang, hang_line = sup.wait_line(r'"event":"hang_detected"', 120, after=t_stop)
+        t_back, _ = sup.wait_line(r'"to":"ready"', 400, after=t_hang,
                                  fail=r'"event":"giving_up"')
         res["hang"] = {"engine_pids": engines, "tokens_before_stop": tokens_before,
                        "sigstop_at_s": round(t_stop, 2),

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.harness import require_runtime
+from tests.support.runtime import require_runtime
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import REPO, cpu_config, free_port, write_toml
+from tests.support.runtime import REPO, cpu_config, free_port, write_toml
 
 KEY = "Zq9x-s3cr\u00e9t-\u5bc6\u94a5-Wv7k"
 

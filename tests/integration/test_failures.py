@@ -9,7 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from tests.integration.harness import REPO, Daemon, cpu_config, free_port, record, write_toml
+from tests.support.clients import record
+from tests.support.daemon import Daemon
+from tests.support.runtime import REPO, cpu_config, free_port, write_toml
 
 
 def run_to_exit(cfg: Path, tmp: Path, timeout: float) -> tuple[int, Daemon]:

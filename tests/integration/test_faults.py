@@ -17,7 +17,9 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.integration.harness import Daemon, Stream, cpu_config, free_port, record, write_toml
+from tests.support.clients import Stream, record, sigterm_while_streaming, start_streams
+from tests.support.daemon import Daemon
+from tests.support.runtime import cpu_config, free_port, write_toml
 
 START_TIMEOUT = 240.0
 POLL = 1.0
@@ -38,9 +40,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Any:
         "unhealthy_timeout": UNHEALTHY_TIMEOUT, "canary_interval": 5.0, "canary_timeout": 30.0},
         stop={"drain_timeout": DRAIN_TIMEOUT, "term_timeout": TERM_TIMEOUT}))
     (tmp / "conf.d").mkdir()
-    d = Daemon(cfg, tmp)
-    d.port = port  # type: ignore[attr-defined]
-    d.tmp = tmp  # type: ignore[attr-defined]
+    d = Daemon(cfg, tmp, port=port)
     yield d
     d.close()
 
@@ -57,11 +57,11 @@ def test_ready(daemon: Daemon) -> None:
 
 
 def test_canary_behind_a_busy_queue_is_not_a_restart(daemon: Daemon) -> None:
-    port = daemon.port  # type: ignore[attr-defined]
+    port = daemon.port
     pid = daemon.last_child_pid()
     # Canaries every second, polls every 20 s: between two polls the supervisor believes the
     # engine idle and sends canaries, which queue behind the burst below (FCFS).
-    drop = daemon.tmp / "conf.d" / "50-canary.toml"  # type: ignore[attr-defined]
+    drop = daemon.tmp / "conf.d" / "50-canary.toml"
     # (config rules: hang_timeout >= 2 x poll_interval, unhealthy_timeout >= poll_interval)
     drop.write_text("[watch]\npoll_interval = 20.0\ncanary_interval = 1.0\n"
                     "canary_timeout = 2.0\nhang_timeout = 40.0\nunhealthy_timeout = 20.0\n")
@@ -151,19 +151,10 @@ def test_killed_api_server_is_seen_at_once(daemon: Daemon) -> None:
 
 def test_sigterm_with_streams_outliving_a_short_drain_ends_at_the_deadline(
         daemon: Daemon) -> None:
-    port = daemon.port  # type: ignore[attr-defined]
-    streams = [Stream(port, [300 + i] * 16, 2000, timeout=120) for i in range(8)]
-    for st in streams:
-        st.start()
-    for st in streams:
-        assert st.started.wait(60), st.outcome()
-    mark = daemon.mark()
-    t0 = time.monotonic()
-    daemon.signal(signal.SIGTERM)
-    assert daemon.wait_exit(DRAIN_TIMEOUT + TERM_TIMEOUT + 30) == 0
-    t_exit = time.monotonic()
-    for st in streams:
-        st.join(30)
+    port = daemon.port
+    streams = start_streams(port, 300)
+    mark, t0, t_exit = sigterm_while_streaming(daemon, streams,
+                                               DRAIN_TIMEOUT + TERM_TIMEOUT + 30, join=30)
     assert not any(st.is_alive() for st in streams)
     timeout_ev = daemon.event("drain_timeout", mark)
     drained = daemon.event("drained", mark)

@@ -18,16 +18,16 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.integration.harness import (
-    Daemon,
+from tests.support.clients import (
     Stream,
-    cpu_config,
-    free_port,
     log_wall,
     metrics_value,
     record,
-    write_toml,
+    sigterm_while_streaming,
+    start_streams,
 )
+from tests.support.daemon import Daemon
+from tests.support.runtime import cpu_config, free_port, write_toml
 
 START_TIMEOUT = 240.0
 HANG_TIMEOUT = 10.0
@@ -47,9 +47,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Any:
         stop={"drain_timeout": DRAIN_TIMEOUT, "term_timeout": TERM_TIMEOUT},
         status={"enabled": False}))
     (tmp / "conf.d").mkdir()
-    d = Daemon(cfg, tmp)
-    d.port = port  # type: ignore[attr-defined]
-    d.tmp = tmp  # type: ignore[attr-defined]
+    d = Daemon(cfg, tmp, port=port)
     yield d
     d.close()
 
@@ -86,13 +84,13 @@ def test_ready_is_notified_only_after_warmup(daemon: Daemon) -> None:
 
 
 def test_serves_requests(daemon: Daemon) -> None:
-    out = complete(daemon.port)  # type: ignore[attr-defined]
+    out = complete(daemon.port)
     assert out["choices"][0]["text"]
 
 
 def test_sighup_with_broken_config_keeps_serving(daemon: Daemon) -> None:
     pid = daemon.last_child_pid()
-    bad = daemon.tmp / "conf.d" / "90-bad.toml"  # type: ignore[attr-defined]
+    bad = daemon.tmp / "conf.d" / "90-bad.toml"
     bad.write_text("[watch]\nhang_timeout = \"soon\"\n")
     mark, t0 = daemon.mark(), time.monotonic()
     daemon.signal(signal.SIGHUP)
@@ -103,12 +101,12 @@ def test_sighup_with_broken_config_keeps_serving(daemon: Daemon) -> None:
     daemon.wait_notify("READY=1", 10, after_time=t0)
     bad.unlink()
     assert daemon.last_child_pid() == pid and daemon.state() == "ready"
-    assert complete(daemon.port)["choices"]  # type: ignore[attr-defined]
+    assert complete(daemon.port)["choices"]
 
 
 def test_sighup_supervisor_setting_applies_live(daemon: Daemon) -> None:
     pid = daemon.last_child_pid()
-    drop = daemon.tmp / "conf.d" / "50-canary.toml"  # type: ignore[attr-defined]
+    drop = daemon.tmp / "conf.d" / "50-canary.toml"
     drop.write_text("[watch]\ncanary_interval = 2.0\n")
     mark = daemon.mark()
     daemon.signal(signal.SIGHUP)
@@ -120,6 +118,7 @@ def test_sighup_supervisor_setting_applies_live(daemon: Daemon) -> None:
     m2 = daemon.mark()
     daemon.wait_event("canary_ok", 10, after=m2)
     first = daemon.event("canary_ok", m2)
+    assert first is not None
     daemon.wait_for(lambda: daemon.event("canary_ok", daemon.events.index(first) + 1), 10,
                     "a second canary")
     drop.unlink()
@@ -160,11 +159,11 @@ def test_killed_engine_core_is_healed(daemon: Daemon) -> None:
     assert daemon.last_child_pid() != old_pid
     assert not [p for p in old_tree if psutil.pid_exists(p)
                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert complete(daemon.port)["choices"]  # type: ignore[attr-defined]
+    assert complete(daemon.port)["choices"]
 
 
 def test_stopped_engine_core_is_a_hang_and_is_healed(daemon: Daemon) -> None:
-    port = daemon.port  # type: ignore[attr-defined]
+    port = daemon.port
     engine = daemon.engine_core()
     # Requests that surely outlive the wait: streams to max_model_len (16 + 2000 tokens,
     # ~9 s each at the tiny model's ~220 tokens/s), several so one is always running.
@@ -218,23 +217,14 @@ def test_stopped_engine_core_is_a_hang_and_is_healed(daemon: Daemon) -> None:
 
 
 def test_sigterm_drains_eight_streams_then_stops_leaving_nothing(daemon: Daemon) -> None:
-    port = daemon.port  # type: ignore[attr-defined]
+    port = daemon.port
     daemon.descendants()
     assert daemon.pids_seen
     # 8 streams (max_num_seqs) of 2000 tokens each: ~9-10 s of work when SIGTERM arrives.
-    streams = [Stream(port, [400 + i] * 16, 2000, timeout=120) for i in range(8)]
-    for st in streams:
-        st.start()
-    for st in streams:
-        assert st.started.wait(60), st.outcome()
+    streams = start_streams(port, 400)
     assert all(st.chunks for st in streams), [st.outcome() for st in streams]
-    mark = daemon.mark()
-    t0 = time.monotonic()
-    daemon.signal(signal.SIGTERM)
-    assert daemon.wait_exit(DRAIN_TIMEOUT + TERM_TIMEOUT + 30) == 0
-    t_exit = time.monotonic()
-    for st in streams:
-        st.join(10)
+    mark, t0, t_exit = sigterm_while_streaming(daemon, streams,
+                                               DRAIN_TIMEOUT + TERM_TIMEOUT + 30, join=10)
     # every client got its whole stream, and the drain ended only after the last one
     assert all(st.done and st.finish_reason == "length" for st in streams), \
         [st.outcome() for st in streams]
@@ -251,4 +241,4 @@ def test_sigterm_drains_eight_streams_then_stops_leaving_nothing(daemon: Daemon)
     # and the port is free again (TIME_WAIT of old client connections aside)
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", daemon.port))  # type: ignore[attr-defined]
+        s.bind(("127.0.0.1", daemon.port))

@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.harness import REPO, Daemon, cpu_config, free_port, write_toml
+from tests.support.daemon import Daemon
+from tests.support.runtime import REPO, cpu_config, free_port, write_toml
 
 START_TIMEOUT = 300.0
 

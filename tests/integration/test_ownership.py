@@ -19,7 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.integration.harness import REPO, Daemon, cpu_config, free_port, write_toml
+from tests.support.daemon import Daemon
+from tests.support.runtime import REPO, cpu_config, free_port, write_toml
 
 START_TIMEOUT = 300.0
 

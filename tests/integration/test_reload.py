@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.harness import Daemon, cpu_config, free_port, write_toml
+from tests.support.daemon import Daemon
+from tests.support.runtime import cpu_config, free_port, write_toml
 
 START_TIMEOUT = 240.0
 
@@ -24,15 +25,13 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tmp = tmp_path_factory.mktemp("reload")
     port = free_port()
     path = write_toml(tmp / "qwen4090.toml", cpu_config(port, log={"level": "info"}))
-    d = Daemon(path, tmp)
-    d.port = port  # type: ignore[attr-defined]
-    d.config_path = path  # type: ignore[attr-defined]
+    d = Daemon(path, tmp, port=port)
     yield d
     d.close()
 
 
 def rewrite(d: Daemon, **sections: dict[str, Any]) -> Path:
-    return write_toml(d.config_path, cpu_config(d.port, **sections))  # type: ignore[attr-defined]
+    return write_toml(d.config_path, cpu_config(d.port, **sections))
 
 
 # No lock here: these run inside Daemon.wait_for, which holds the (non-reentrant) lock; the
@@ -86,7 +85,7 @@ def test_sighup_when_ready_is_reloading_then_ready_also_when_refused(daemon: Dae
     daemon.wait_for(lambda: len(datagrams(daemon, "READY=1")) == 2, 30, "READY=1 ending it")
     assert datagrams(daemon, "READY=1")[1][0] >= reloading[0][0]
 
-    daemon.config_path.write_text("[vllm]\nport = 0\n")  # type: ignore[attr-defined]
+    daemon.config_path.write_text("[vllm]\nport = 0\n")
     mark = daemon.mark()
     daemon.signal(1)
     daemon.wait_event("reload_refused", 30, after=mark)

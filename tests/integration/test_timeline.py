@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from qwen4090.kvbudget import FLAG
 from qwen4090.timeline import MARKS, RECOVERY_MARKS
-from tests.integration.harness import Daemon, cpu_config, free_port, write_toml
+from tests.support.daemon import Daemon
+from tests.support.runtime import cpu_config, free_port, write_toml
 
 
 def get(port: int, path: str) -> str:

@@ -7,7 +7,7 @@
 # Proves issue 3's CI and "Bad input" lists; ends with "N passed, M failed", exit 1 on any failure.
 # Every wait is bounded.
 set -u
-export SYSTEMD_COLORS=0 SYSTEMD_PAGER= PAGER=cat LC_ALL=C.UTF-8 DEBIAN_FRONTEND=noninteractive
+export SYSTEMD_COLORS=0 SYSTEMD_PAGER='' PAGER=cat LC_ALL=C.UTF-8 DEBIAN_FRONTEND=noninteractive
 DEB=/ci/qwen4090.deb
 PORT=18080
 KEY=ci-secret-key-0123456789

@@ -6,12 +6,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
+from typing import Any
 
 from qwen4090.child import VllmChild, kernel_oom_line, oom_kill_count, render_argv, render_env
 from qwen4090.config import VllmConfig, from_dict
 
 
-def test_argv_is_a_list_from_the_config():
+def test_argv_is_a_list_from_the_config() -> None:
     v = from_dict({"vllm": {"model": "/m", "max_model_len": 8192, "quantization": "awq_marlin",
                             "enable_prefix_caching": False, "extra_args": ["--seed", "1"],
                             "max_num_seqs": "auto"}}).vllm
@@ -26,7 +28,7 @@ def test_argv_is_a_list_from_the_config():
     assert argv[-2:] == ["--seed", "1"]
 
 
-def test_api_key_goes_to_the_environment_never_argv():
+def test_api_key_goes_to_the_environment_never_argv() -> None:
     v = VllmConfig()
     env = render_env(v, {"NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "5", "PATH": "/bin",
                          "CREDENTIALS_DIRECTORY": "/run/credentials/q"}, "s3cret")
@@ -37,13 +39,13 @@ def test_api_key_goes_to_the_environment_never_argv():
     assert env["VLLM_NO_USAGE_STATS"] == "1"
 
 
-def test_config_env_overrides_base_env():
+def test_config_env_overrides_base_env() -> None:
     v = from_dict({"vllm": {"env": {"VLLM_NO_USAGE_STATS": "0", "X": "y"}}}).vllm
     env = render_env(v, {}, None)
     assert env["VLLM_NO_USAGE_STATS"] == "0" and env["X"] == "y" and "VLLM_API_KEY" not in env
 
 
-def wait_until(cond, timeout=10.0):
+def wait_until(cond: Any, timeout: float = 10.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
@@ -52,7 +54,7 @@ def wait_until(cond, timeout=10.0):
     return False
 
 
-def test_group_signal_reaches_orphaned_grandchildren():
+def test_group_signal_reaches_orphaned_grandchildren() -> None:
     # A leader that starts a grandchild ignoring SIGTERM, like vLLM's EngineCore outliving
     # its API server: only the group's SIGKILL ends it.
     script = textwrap.dedent("""
@@ -81,7 +83,7 @@ def test_group_signal_reaches_orphaned_grandchildren():
         child.signal_group(signal.SIGKILL)
 
 
-def test_oom_kill_count_reads_cgroup_v2_and_v1(tmp_path):
+def test_oom_kill_count_reads_cgroup_v2_and_v1(tmp_path: Path) -> None:
     v2 = tmp_path / "v2"
     (v2 / "system.slice" / "q.service").mkdir(parents=True)
     (v2 / "system.slice" / "q.service" / "memory.events").write_text(
@@ -100,7 +102,7 @@ def test_oom_kill_count_reads_cgroup_v2_and_v1(tmp_path):
     assert oom_kill_count(str(cg), str(v1)) is None
 
 
-def test_kernel_oom_line_finds_the_pid(tmp_path):
+def test_kernel_oom_line_finds_the_pid(tmp_path: Path) -> None:
     log = tmp_path / "kmsg"
     log.write_text("6,1,2,-;Out of memory: Killed process 4242 (python) total-vm:10kB\n")
     assert "Killed process 4242 " in (kernel_oom_line(4242, str(log)) or "")
@@ -108,7 +110,7 @@ def test_kernel_oom_line_finds_the_pid(tmp_path):
     assert kernel_oom_line(1, str(tmp_path / "absent")) is None
 
 
-def test_client_connections_counts_clients_not_our_own_sockets():
+def test_client_connections_counts_clients_not_our_own_sockets() -> None:
     import socket
 
     server = ("import socket, time\n"

@@ -3,6 +3,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,7 +44,7 @@ def shipped_keys(text: str) -> dict[str, object]:
     return found
 
 
-def test_shipped_toml_is_short_and_holds_no_value_but_the_defaults():
+def test_shipped_toml_is_short_and_holds_no_value_but_the_defaults() -> None:
     text = SHIPPED.read_text()
     with SHIPPED.open("rb") as f:
         parsed = tomllib.load(f)
@@ -64,7 +65,7 @@ def test_shipped_toml_is_short_and_holds_no_value_but_the_defaults():
     assert text == config.render_toml()
 
 
-def test_full_reference_is_generated_and_is_every_default():
+def test_full_reference_is_generated_and_is_every_default() -> None:
     with FULL.open("rb") as f:
         assert tomllib.load(f) == defaults_as_dict()
     assert FULL.read_text() == config.render_full_toml(), (
@@ -75,19 +76,19 @@ def test_full_reference_is_generated_and_is_every_default():
         assert config.field_doc(dotted).split(" Accepts ")[1], dotted
 
 
-def test_every_key_has_help():
+def test_every_key_has_help() -> None:
     helps = config.field_help()
     assert all(h.strip() for h in helps.values())
     assert "vllm.max_model_len" in helps and "restart.budget_failures" in helps
 
 
-def test_empty_file_gives_defaults(tmp_path):
+def test_empty_file_gives_defaults(tmp_path: Path) -> None:
     cfg = load(write(tmp_path / "q.toml", ""))
     assert cfg == Config()
     assert cfg.sources == (str(tmp_path / "q.toml"),)
 
 
-def test_drop_ins_merge_in_name_order(tmp_path):
+def test_drop_ins_merge_in_name_order(tmp_path: Path) -> None:
     main_file = write(tmp_path / "q.toml", "[vllm]\nport = 9000\nmax_num_seqs = 4\n")
     write(tmp_path / "conf.d" / "20-b.toml", "[vllm]\nmax_num_seqs = 16\n")
     write(tmp_path / "conf.d" / "10-a.toml", "[vllm]\nmax_num_seqs = 8\nport = 9001\n")
@@ -122,7 +123,8 @@ def test_drop_ins_merge_in_name_order(tmp_path):
         ("vllm = 3\n", "vllm", ["expected a [vllm] table"]),
     ],
 )
-def test_bad_values_name_file_key_found_expected(tmp_path, text, key, fragments):
+def test_bad_values_name_file_key_found_expected(tmp_path: Path, text: str, key: str,
+                                                 fragments: Any) -> None:
     path = write(tmp_path / "q.toml", text)
     with pytest.raises(ConfigError) as err:
         load(path)
@@ -133,7 +135,7 @@ def test_bad_values_name_file_key_found_expected(tmp_path, text, key, fragments)
         assert frag in msg
 
 
-def test_error_in_drop_in_names_the_drop_in(tmp_path):
+def test_error_in_drop_in_names_the_drop_in(tmp_path: Path) -> None:
     main_file = write(tmp_path / "q.toml", "[vllm]\nport = 9000\n")
     bad = write(tmp_path / "conf.d" / "50-x.toml", "[watch]\nhang_timeout = -1\n")
     with pytest.raises(ConfigError) as err:
@@ -141,14 +143,14 @@ def test_error_in_drop_in_names_the_drop_in(tmp_path):
     assert str(err.value).startswith(f"{bad}: watch.hang_timeout: found -1")
 
 
-def test_syntax_error_and_missing_file(tmp_path):
+def test_syntax_error_and_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="invalid TOML"):
         load(write(tmp_path / "q.toml", "[vllm\n"))
     with pytest.raises(ConfigError, match="file not found"):
         load(tmp_path / "nope.toml")
 
 
-def test_changed_sections():
+def test_changed_sections() -> None:
     a = Config()
     b = config.from_dict({"watch": {"hang_timeout": 15.0}})
     c = config.from_dict({"vllm": {"port": 9}})
@@ -157,7 +159,7 @@ def test_changed_sections():
     assert changed_sections(a, c) == ["vllm", "status"]
 
 
-def test_read_secret_refuses_loose_permissions(tmp_path):
+def test_read_secret_refuses_loose_permissions(tmp_path: Path) -> None:
     key = tmp_path / "key"
     key.write_text("s3cret\n")
     key.chmod(0o644)
@@ -167,7 +169,7 @@ def test_read_secret_refuses_loose_permissions(tmp_path):
     assert config.read_secret(str(key)) == "s3cret"
 
 
-def test_check_config_exit_codes(tmp_path, capsys):
+def test_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -187,7 +189,7 @@ def test_check_config_exit_codes(tmp_path, capsys):
     assert "vllm.model" in capsys.readouterr().err
 
 
-def test_help_lists_exit_codes(capsys):
+def test_help_lists_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out

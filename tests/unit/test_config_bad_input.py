@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,20 +60,24 @@ def one_line_78(path: Path, capsys: pytest.CaptureFixture[str], key: str | None,
 # --- the two hangs: a FIFO read as a config file or as the key file -------------------------
 
 
-def test_fifo_as_config_file_is_refused_not_waited_on(tmp_path, capsys):
+def test_fifo_as_config_file_is_refused_not_waited_on(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
     fifo = tmp_path / "q.toml"
     os.mkfifo(fifo)
     one_line_78(fifo, capsys, None, "not a regular file")
 
 
-def test_fifo_as_api_key_file_is_refused_not_waited_on(tmp_path, capsys, base):
+def test_fifo_as_api_key_file_is_refused_not_waited_on(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       base: str) -> None:
     fifo = tmp_path / "key"
     os.mkfifo(fifo, 0o600)
     cfg = write(tmp_path / "q.toml", base + f'api_key_file = "{fifo}"\n')
     one_line_78(cfg, capsys, "vllm.api_key_file", "not a regular file", file=fifo)
 
 
-def test_device_and_huge_files_are_refused(tmp_path, capsys, base):
+def test_device_and_huge_files_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           base: str) -> None:
     one_line_78(Path("/dev/zero"), capsys, None, "not a regular file")
     big = write(tmp_path / "big.toml", "# x\n" * 300_000)
     one_line_78(big, capsys, None, "more than the 1048576 allowed")
@@ -95,11 +100,14 @@ def test_device_and_huge_files_are_refused(tmp_path, capsys, base):
     ("[watch]\nload_timeout = inf\n", "watch.load_timeout", ["found inf"]),
     ("[stop]\ndrain_timeout = -inf\n", "stop.drain_timeout", ["found -inf"]),
 ])
-def test_numbers_that_raised_are_range_errors(tmp_path, capsys, base, text, key, fragments):
+def test_numbers_that_raised_are_range_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              base: str, text: str, key: str,
+                                              fragments: Any) -> None:
     one_line_78(write(tmp_path / "q.toml", base + text), capsys, key, *fragments)
 
 
-def test_unreadable_toml_is_one_line_without_traceback(tmp_path, capsys):
+def test_unreadable_toml_is_one_line_without_traceback(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     one_line_78(write(tmp_path / "a.toml", "[vllm]\nport = 1" + "0" * 5000 + "\n"), capsys,
                 None, "invalid TOML", "(4300")
     one_line_78(write(tmp_path / "b.toml", "x = " + "[" * 5000 + "]" * 5000 + "\n"), capsys,
@@ -137,7 +145,8 @@ def test_unreadable_toml_is_one_line_without_traceback(tmp_path, capsys):
     ('enable_chunked_prefill = false\nmax_model_len = 16384\nmax_num_batched_tokens = 8192',
      "vllm.max_num_batched_tokens", "at least vllm.max_model_len when"),
 ])
-def test_vllm_values_that_could_not_run(tmp_path, capsys, base, text, key, fragment):
+def test_vllm_values_that_could_not_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                        base: str, text: str, key: str, fragment: str) -> None:
     one_line_78(write(tmp_path / "q.toml", base + text + "\n"), capsys, key, fragment)
 
 
@@ -147,7 +156,9 @@ def test_vllm_values_that_could_not_run(tmp_path, capsys, base, text, key, fragm
     ('model = "/' + "m" * 300 + '"', "vllm.model", "longer than 255 bytes"),
     ('command = [""]', "vllm.command", "it is empty"),
 ])
-def test_model_and_command_values_that_could_not_run(tmp_path, capsys, text, key, fragment):
+def test_model_and_command_values_that_could_not_run(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str], text: str,
+                                                     key: str, fragment: str) -> None:
     one_line_78(write(tmp_path / "q.toml", "[vllm]\n" + text + "\n"), capsys, key, fragment)
 
 
@@ -176,7 +187,8 @@ def test_model_and_command_values_that_could_not_run(tmp_path, capsys, text, key
     ("[gpu]\nsample_interval = 0.001", "gpu.sample_interval", "0 (off)"),
     ("[gpu]\nstate_directory = \"state\"", "gpu.state_directory", "absolute"),
 ])
-def test_nonsense_values_are_refused(tmp_path, capsys, base, text, key, fragment):
+def test_nonsense_values_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], base: str,
+                                     text: str, key: str, fragment: str) -> None:
     one_line_78(write(tmp_path / "q.toml", base + text + "\n"), capsys, key, fragment)
 
 
@@ -190,13 +202,16 @@ def test_nonsense_values_are_refused(tmp_path, capsys, base, text, key, fragment
     '[vllm]\nmodel = "/no/such\\u2028dir"\n',
     '[vllm]\nextra_args = ["\\n", "x"]\ncommand = []\n',
 ])
-def test_messages_are_one_line(tmp_path, capsys, text):
+def test_messages_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                               text: str) -> None:
     rc, _out, err = check_config(write(tmp_path / "q.toml", text), capsys)
     assert rc == 78
     assert len(err.splitlines()) == 1, err
 
 
-def test_drop_in_with_a_newline_in_its_name_is_named_on_one_line(tmp_path, capsys, base):
+def test_drop_in_with_a_newline_in_its_name_is_named_on_one_line(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str],
+                                                                 base: str) -> None:
     main_file = write(tmp_path / "q.toml", base)
     write(tmp_path / "conf.d" / "bad\nname.toml", "[watch]\nhang_timeout = -1\n")
     line = one_line_78(main_file, capsys, "watch.hang_timeout", "found -1",
@@ -204,7 +219,9 @@ def test_drop_in_with_a_newline_in_its_name_is_named_on_one_line(tmp_path, capsy
     assert "\n" not in line
 
 
-def test_unknown_keys_and_sections_name_the_nearest(tmp_path, capsys, base):
+def test_unknown_keys_and_sections_name_the_nearest(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str],
+                                                    base: str) -> None:
     one_line_78(write(tmp_path / "q.toml", base + "[wach]\npoll_interval = 1\n"), capsys,
                 "wach", "unknown section; did you mean [watch]?")
     one_line_78(write(tmp_path / "q.toml", base + "serverd_model_name = \"x\"\n"), capsys,
@@ -219,8 +236,9 @@ BAD_KEYS = [("Zq9x\u00e9Wv7k-\u5bc6\u94a5", "non-ASCII"),
 
 
 @pytest.mark.parametrize(("key", "what"), BAD_KEYS)
-def test_api_key_that_a_header_cannot_carry_is_refused_without_echo(tmp_path, capsys, base,
-                                                                    key, what):
+def test_api_key_that_a_header_cannot_carry_is_refused_without_echo(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], base: str, key: str, what: str
+        ) -> None:
     key_file = tmp_path / "key"
     key_file.write_bytes(key.encode("utf-8") + b"\n")
     key_file.chmod(0o600)
@@ -235,27 +253,28 @@ def test_api_key_that_a_header_cannot_carry_is_refused_without_echo(tmp_path, ca
             assert part not in out + err, part
 
 
-def test_printable_ascii_key_is_read_and_stripped(tmp_path):
+def test_printable_ascii_key_is_read_and_stripped(tmp_path: Path) -> None:
     key_file = tmp_path / "key"
     key_file.write_text("  sk-Abc_123.~+/=\n")
     key_file.chmod(0o600)
     assert config.read_secret(str(key_file)) == "sk-Abc_123.~+/="
 
 
-def test_read_secret_reads_from_the_checked_file_only(tmp_path):
+def test_read_secret_reads_from_the_checked_file_only(tmp_path: Path) -> None:
     d = tmp_path / "dir"
     d.mkdir(mode=0o700)
     with pytest.raises(ConfigError, match="not a regular file"):
         config.read_secret(str(d))
 
 
-def test_every_value_load_accepts_equals_its_rendering(tmp_path, base):
+def test_every_value_load_accepts_equals_its_rendering(tmp_path: Path, base: str) -> None:
     cfg = load(write(tmp_path / "q.toml", base + "env = { A_1 = \"x\\ty\" }\n"))
     again = load(write(tmp_path / "r.toml", config.render_full_toml(cfg)))
     assert again.vllm == cfg.vllm
 
 
-def test_fifo_as_the_vllm_command_is_refused(tmp_path, capsys, base):
+def test_fifo_as_the_vllm_command_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             base: str) -> None:
     fifo = tmp_path / "vllm"
     os.mkfifo(fifo, 0o755)
     cfg = write(tmp_path / "q.toml", base.replace(sys.executable, str(fifo)))
@@ -263,13 +282,14 @@ def test_fifo_as_the_vllm_command_is_refused(tmp_path, capsys, base):
 
 
 def test_model_directory_that_cannot_be_looked_at_is_a_line_not_a_traceback(
-        tmp_path, capsys, base, monkeypatch):
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], base: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from qwen4090 import preflight
 
     cfg = load(write(tmp_path / "q.toml", base))
     real_stat = Path.stat
 
-    def stat(self, *args, **kwargs):  # what a non-root user gets under /root
+    def stat(self: Path, *args: Any, **kwargs: Any) -> Any:  # what a non-root user gets under /root
         if str(self).startswith(cfg.vllm.model):
             raise PermissionError(13, "Permission denied")
         return real_stat(self, *args, **kwargs)
@@ -280,7 +300,7 @@ def test_model_directory_that_cannot_be_looked_at_is_a_line_not_a_traceback(
     assert "Permission denied" in str(res.fatal)
 
 
-def test_fifo_as_the_models_config_json_is_refused_by_plan(tmp_path):
+def test_fifo_as_the_models_config_json_is_refused_by_plan(tmp_path: Path) -> None:
     from qwen4090 import plan
 
     model = tmp_path / "model"
@@ -301,7 +321,7 @@ def test_fifo_as_the_models_config_json_is_refused_by_plan(tmp_path):
     assert isinstance(box.get("e"), plan.PlanError) and "not a regular file" in str(box["e"])
 
 
-def test_warmup_never_plans_a_request_longer_than_max_model_len():
+def test_warmup_never_plans_a_request_longer_than_max_model_len() -> None:
     from qwen4090.warmup import plan_steps
 
     # What an OOM ladder can reach at run time (max_model_len lowered below the check's).

@@ -6,6 +6,7 @@ import http.client
 import http.server
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from test_supervisor import Harness
@@ -38,7 +39,7 @@ def header_error() -> UnicodeEncodeError:
     raise AssertionError("encoded")
 
 
-def test_safe_error_keeps_the_type_and_drops_the_payload():
+def test_safe_error_keeps_the_type_and_drops_the_payload() -> None:
     e = header_error()
     assert KEY in repr(e) or KEY[:14] in repr(e)  # what was logged before
     text = safe_error(e)
@@ -55,7 +56,7 @@ def test_safe_error_keeps_the_type_and_drops_the_payload():
     OSError(13, "Permission denied", f"/run/{KEY}"),
     KeyError(KEY),
 ])
-def test_safe_error_masks_what_looks_like_a_credential(exc):
+def test_safe_error_masks_what_looks_like_a_credential(exc: Any) -> None:
     redact.remember_secret(KEY)
     text = safe_error(exc)
     assert text.startswith(type(exc).__name__)
@@ -63,14 +64,14 @@ def test_safe_error_masks_what_looks_like_a_credential(exc):
     assert "\n" not in text and len(text) < 300
 
 
-def test_safe_error_masks_a_remembered_secret_anywhere():
+def test_safe_error_masks_a_remembered_secret_anywhere() -> None:
     secret = "plain-Jm2pQr5t-looking"
     redact.remember_secret(secret)
     text = safe_error(ValueError(f"odd {secret} value\nsecond line"))
     assert text == "ValueError: odd *** value\\nsecond line"
 
 
-def test_safe_error_with_where_names_the_frame_not_the_args():
+def test_safe_error_with_where_names_the_frame_not_the_args() -> None:
     try:
         raise ValueError(f"Bearer {KEY}")
     except ValueError as e:
@@ -99,14 +100,14 @@ def server() -> Iterator[int]:
     srv.server_close()
 
 
-def test_canary_with_an_unencodable_key_is_a_result_without_the_key(server):
+def test_canary_with_an_unencodable_key_is_a_result_without_the_key(server: Any) -> None:
     probe = VllmProbe("127.0.0.1", server, "tiny", KEY)
     res = probe.complete([1, 2, 3], 1, timeout=10)  # raised UnicodeEncodeError before
     assert not res.ok and res.error.startswith("UnicodeEncodeError")
     assert_no_secret(res.error)
 
 
-def test_warmup_request_that_raises_is_said_as_such_not_as_a_timeout():
+def test_warmup_request_that_raises_is_said_as_such_not_as_a_timeout() -> None:
     def boom(prompt: list[int]) -> object:
         raise header_error()
 
@@ -116,7 +117,7 @@ def test_warmup_request_that_raises_is_said_as_such_not_as_a_timeout():
     assert_no_secret(out.error)
 
 
-def test_listener_failure_is_logged_without_the_exception_repr():
+def test_listener_failure_is_logged_without_the_exception_repr() -> None:
     h = Harness()
 
     def listener(event: str, fields: dict[str, object]) -> None:

@@ -5,12 +5,10 @@ GPU a learned setting belongs to."""
 
 from __future__ import annotations
 
-import http.client
 import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +19,10 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_supervisor import FakeChild, Harness, Log
+from test_supervisor import Harness
+from tests.support.clients import http_get as get
+from tests.support.fakes import QWEN3_14B, FakeChild, Log
+from tests.support.runtime import free_port
 
 from qwen4090 import cli, gpu, httpapi
 from qwen4090.config import Config
@@ -33,23 +34,11 @@ from qwen4090.states import State
 REPO = Path(__file__).resolve().parents[2]
 FAKE = Path(__file__).with_name("fake_pynvml.py")
 FAKE_NAME = "NVIDIA H200 (fake pynvml)"
-QWEN3_14B = {
-    "architectures": ["Qwen3ForCausalLM"], "head_dim": 128, "hidden_size": 5120,
-    "intermediate_size": 17408, "max_position_embeddings": 40960, "num_attention_heads": 40,
-    "num_hidden_layers": 40, "num_key_value_heads": 8, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "vocab_size": 151936,
-}
 # vLLM 0.26's own text for an OOM while serving (EngineCore, H200 validation run).
 CUDA_OOM = ("(EngineCore pid=4242) ERROR 11-30 17:16:14 [core.py:1010] torch.OutOfMemoryError: "
             "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
             "23.55 GiB of which 1.02 GiB is free.")
 FINAL = "RuntimeError: Engine core initialization failed. See root cause above."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def fake_venv(root: Path) -> Path:
@@ -159,16 +148,6 @@ def test_daemon_preflight_and_driver_wait_use_the_venvs_binding(
 
 
 # --- 9.3: GPU samples reach /status and /metrics -------------------------------------------
-
-
-def get(port: int, path: str) -> tuple[int, bytes]:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        c.request("GET", path)
-        r = c.getresponse()
-        return r.status, r.read()
-    finally:
-        c.close()
 
 
 def gpu_families(text: str) -> dict[str, float]:

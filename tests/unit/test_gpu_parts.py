@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_supervisor import FakeChild, Harness, Log
+from test_supervisor import Harness
+from tests.support.fakes import QWEN3_14B, FakeChild, Log
 
 from qwen4090 import gpu, learned
 from qwen4090.config import Config, from_dict
@@ -21,12 +22,6 @@ from qwen4090.states import State
 from qwen4090.supervisor import NoGpu
 
 GIB = 1024 ** 3
-QWEN3_14B = {
-    "architectures": ["Qwen3ForCausalLM"], "head_dim": 128, "hidden_size": 5120,
-    "intermediate_size": 17408, "max_position_embeddings": 40960, "num_attention_heads": 40,
-    "num_hidden_layers": 40, "num_key_value_heads": 8, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "vocab_size": 151936,
-}
 CONTEXT = ("ValueError: To serve at least one request with the model's max seq len (40960), "
            "(6.25 GiB KV cache is needed, which is larger than the available KV cache memory "
            "(4.75 GiB). Based on the available memory, the estimated maximum model length is "

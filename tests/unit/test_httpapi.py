@@ -9,19 +9,12 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tests.support.fakes import Clock, Log
 
 from qwen4090 import httpapi
 from qwen4090.config import Config, from_dict
 from qwen4090.httpapi import StatusApi, Telemetry, metric_families, render_html, status_document
 from qwen4090.probes.http import MetricsResult
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class FakeSup:
@@ -206,16 +199,6 @@ def test_a_broken_document_is_a_500_not_a_dead_endpoint(
     assert get(a, "/livez")[0] == 200
 
 
-class Log:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
-
-    def info(self, event: str, **kw: Any) -> None:
-        self.events.append((event, kw))
-
-    error = info
-
-
 class Parts:
     def __init__(self) -> None:
         self.clock = Clock()
@@ -235,7 +218,7 @@ def test_start_binds_from_config_and_a_busy_port_is_not_fatal() -> None:
         log = Log()
         a = httpapi.start(sup, log)
         assert a.server is None
-        assert log.events[-1][0] == "status_endpoint_failed"
+        assert log.names()[-1] == "status_endpoint_failed"
         assert len(sup.p.listeners) == 1  # type: ignore[attr-defined]
         a.beat()
 
@@ -245,4 +228,4 @@ def test_start_disabled() -> None:
     sup.p = Parts()  # type: ignore[attr-defined]
     log = Log()
     assert httpapi.start(sup, log).server is None
-    assert log.events[-1][0] == "status_endpoint_off"
+    assert log.names()[-1] == "status_endpoint_off"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
+from tests.support.fakes import Log
 
 from qwen4090.config import from_dict
 from qwen4090.instance import (
@@ -26,14 +26,6 @@ from qwen4090.instance import (
 
 VLLM = ("/opt/qwen4090/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server")
 ENGINE = ("VLLM::EngineCore",)
-
-
-class Log:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str, dict[str, Any]]] = []
-
-    def __getattr__(self, level: str) -> Any:
-        return lambda event, **kw: self.events.append((level, event, kw))
 
 
 def record(members: tuple[ProcInfo, ...] = ()) -> ChildRecord:

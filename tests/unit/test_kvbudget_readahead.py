@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tests.support.fakes import Log
+
 from qwen4090 import launch, readahead
 from qwen4090.config import Config, from_dict
 from qwen4090.kvbudget import FLAG, KvBudget
@@ -99,24 +101,14 @@ def test_readahead_decides_and_advises(tmp_path: Path) -> None:
     assert readahead.advise(files) == 1
 
 
-class Log:
-    def __init__(self) -> None:
-        self.events: list[str] = []
-
-    def info(self, event: str, **_: Any) -> None:
-        self.events.append(event)
-
-    debug = info
-
-
 def test_readahead_thread_runs_and_a_dummy_model_is_skipped(tmp_path: Path) -> None:
     log = Log()
-    assert readahead.start(str(tmp_path), log) is None and log.events == ["readahead_skipped"]
+    assert readahead.start(str(tmp_path), log) is None and log.names() == ["readahead_skipped"]
     (tmp_path / "w.bin").write_bytes(os.urandom(1024))
     t = readahead.start(str(tmp_path), log, available=lambda: 1 << 30)
     assert t is not None
     t.join(10)
-    assert log.events[-1] == "readahead_done"
+    assert log.names()[-1] == "readahead_done"
 
 
 # --- the compile caches: in the CacheDirectory, per instance, kept across upgrades -----------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,7 +87,7 @@ def test_cuda_oom_walks_seqs_then_share_then_context() -> None:
                     ("max_model_len", 8192)]
 
 
-def learned_cfg(tmp_path: Path, **vllm: object):
+def learned_cfg(tmp_path: Path, **vllm: object) -> Any:
     return from_dict({"vllm": {"model": "/m", **vllm},
                       "gpu": {"state_directory": str(tmp_path)}})
 

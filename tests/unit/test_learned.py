@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from test_gpu_parts import CONTEXT, h200, make_cfg  # noqa: F401  (h200 is a fixture)
-from test_supervisor import Log
+from tests.support.fakes import Log
 
 from qwen4090 import gpu, learned
 from qwen4090.config import from_dict
@@ -26,7 +26,7 @@ def unwritable(tmp_path: Path) -> Path:
     return blocker / "state"
 
 
-def test_record_into_an_unwritable_directory_says_where_and_the_fix(tmp_path):
+def test_record_into_an_unwritable_directory_says_where_and_the_fix(tmp_path: Path) -> None:
     store = learned.LearnedStore(unwritable(tmp_path))
     failed = store.record("max_num_seqs", 16, FP, "oom: test")  # raised NotADirectoryError
     assert failed is not None
@@ -36,7 +36,7 @@ def test_record_into_an_unwritable_directory_says_where_and_the_fix(tmp_path):
     assert "\n" not in line and str(store.path) in line and "Not a directory" in line
 
 
-def test_an_unsaved_step_down_still_applies_in_this_process(tmp_path):
+def test_an_unsaved_step_down_still_applies_in_this_process(tmp_path: Path) -> None:
     state = unwritable(tmp_path)
     assert learned.LearnedStore(state).record("max_num_seqs", 16, FP, "oom") is not None
     cfg = from_dict({"vllm": {"model": "/m", "max_num_seqs": 32}})
@@ -46,7 +46,7 @@ def test_an_unsaved_step_down_still_applies_in_this_process(tmp_path):
     assert learned.LearnedStore(state).read() == {}
 
 
-def test_a_later_successful_write_replaces_the_unsaved_copy(tmp_path):
+def test_a_later_successful_write_replaces_the_unsaved_copy(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()
     state.chmod(0o500)
@@ -63,7 +63,7 @@ def test_a_later_successful_write_replaces_the_unsaved_copy(tmp_path):
     assert store.read()["settings"] == {"max_num_seqs": 8}
 
 
-def test_garbage_in_learned_json_is_ignored_not_a_crash(tmp_path):
+def test_garbage_in_learned_json_is_ignored_not_a_crash(tmp_path: Path) -> None:
     store = learned.LearnedStore(tmp_path)
     store.path.write_text(json.dumps({"fingerprint": FP, "settings": {
         "max_num_seqs": "lots", "max_model_len": 10 ** 30, "gpu_memory_utilization": 0.5}}))

@@ -27,7 +27,7 @@ def emit(fmt: str, level: str = "info") -> list[str]:
     return out.getvalue().splitlines()
 
 
-def test_auto_without_terminal_is_keyvalue_with_syslog_priority():
+def test_auto_without_terminal_is_keyvalue_with_syslog_priority() -> None:
     lines = emit("auto")
     assert lines[0] == '<6>state_changed from=loading to=warming reason="/health answered 200"'
     assert lines[1] == "<4>restart_scheduled delay=2.5"
@@ -37,12 +37,12 @@ def test_auto_without_terminal_is_keyvalue_with_syslog_priority():
     assert json.loads(lines[2].split("detail=", 1)[1]).endswith("second line")
 
 
-def test_debug_shown_only_when_asked():
+def test_debug_shown_only_when_asked() -> None:
     assert emit("keyvalue", "debug")[0] == "<7>dbg n=1"
     assert len(emit("keyvalue", "warning")) == 3
 
 
-def test_json_lines_keep_the_prefix():
+def test_json_lines_keep_the_prefix() -> None:
     lines = emit("json")
     prio, body = lines[0][:3], json.loads(lines[0][3:])
     assert prio == "<6>" and body["event"] == "state_changed" and body["level"] == "info"

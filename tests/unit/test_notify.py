@@ -3,6 +3,9 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -10,7 +13,7 @@ from qwen4090.notify import Notifier, child_environment
 
 
 @pytest.fixture(params=["path", "abstract"])
-def notify_socket(request, tmp_path):
+def notify_socket(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     if request.param == "path":
         addr = str(tmp_path / "notify.sock")
@@ -28,7 +31,7 @@ def recv(sock: socket.socket) -> list[str]:
     return sock.recv(4096).decode().split("\n")
 
 
-def test_messages_reach_a_real_socket(notify_socket):
+def test_messages_reach_a_real_socket(notify_socket: Any) -> None:
     name, sock = notify_socket
     n = Notifier({"NOTIFY_SOCKET": name})
     assert n.ready("ready: tiny")
@@ -46,19 +49,19 @@ def test_messages_reach_a_real_socket(notify_socket):
     n.close()
 
 
-def test_no_socket_is_a_noop():
+def test_no_socket_is_a_noop() -> None:
     n = Notifier({})
     assert not n.enabled and not n.ready("x") and n.watchdog_interval is None
 
 
-def test_watchdog_interval_is_half_and_respects_pid():
+def test_watchdog_interval_is_half_and_respects_pid() -> None:
     assert Notifier({"WATCHDOG_USEC": "10000000"}).watchdog_interval == 5.0
     assert Notifier({"WATCHDOG_USEC": "10000000", "WATCHDOG_PID": "1"}).watchdog_interval is None
     mine = {"WATCHDOG_USEC": "4000000", "WATCHDOG_PID": str(os.getpid())}
     assert Notifier(mine).watchdog_interval == 2.0
 
 
-def test_send_error_reported_once(tmp_path):
+def test_send_error_reported_once(tmp_path: Path) -> None:
     errors: list[str] = []
     n = Notifier({"NOTIFY_SOCKET": str(tmp_path / "absent.sock")}, on_error=errors.append)
     assert not n.status("a") and not n.status("b")
@@ -66,7 +69,7 @@ def test_send_error_reported_once(tmp_path):
     n.close()
 
 
-def test_child_environment_drops_notify_variables():
+def test_child_environment_drops_notify_variables() -> None:
     env = child_environment({"NOTIFY_SOCKET": "x", "WATCHDOG_USEC": "1", "WATCHDOG_PID": "2",
                              "PATH": "/bin"})
     assert env == {"PATH": "/bin"}

@@ -7,17 +7,14 @@ import importlib.util
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tests.support import unitfile
+from tests.support.unitfile import Node
 
 from qwen4090 import cli
 from qwen4090.policy import EXIT_CODES
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: shared support code
-import unitfile
-from unitfile import Node
 
 ROOT = Path(__file__).resolve().parents[2]
 # packaging/debian in the repository; debian/ in the source package (autopkgtest)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,7 +32,7 @@ def q14(tmp_path: Path) -> Path:
     return d
 
 
-def cfg_for(model: Path, **vllm: object):
+def cfg_for(model: Path, **vllm: object) -> Any:
     return from_dict({"vllm": {"model": str(model), **vllm}})
 
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import random
 import signal
+from typing import Any
 
 import pytest
 
@@ -37,7 +38,7 @@ ENGINE_DEAD = [
 ]
 
 
-def test_oom_texts_are_oom_whatever_the_code():
+def test_oom_texts_are_oom_whatever_the_code() -> None:
     v = classify_exit(1, KV_TOO_SMALL)
     assert v.cause is Cause.OOM and v.retry
     assert "max seq len" in v.detail
@@ -45,13 +46,13 @@ def test_oom_texts_are_oom_whatever_the_code():
                          ).cause is Cause.OOM
 
 
-def test_exit_zero_is_a_failure_with_the_root_cause():
+def test_exit_zero_is_a_failure_with_the_root_cause() -> None:
     v = classify_exit(0, ENGINE_DEAD)
     assert v.cause is Cause.EXIT_0 and v.retry
     assert "RuntimeError: cancelled" in v.detail  # not the 'see above' wrapper
 
 
-def test_crash_points_at_root_cause_not_wrapper():
+def test_crash_points_at_root_cause_not_wrapper() -> None:
     tail = ["ValueError: No common block size for 16 (CPU_ATTN: [MultipleOf(32)]).",
             "RuntimeError: Engine core initialization failed. See root cause above."]
     v = classify_exit(1, tail)
@@ -59,7 +60,7 @@ def test_crash_points_at_root_cause_not_wrapper():
     assert "exit code 1" in v.detail and "No common block size" in v.detail
 
 
-def test_signal_and_argparse():
+def test_signal_and_argparse() -> None:
     v = classify_exit(-signal.SIGKILL, [])
     assert v.cause is Cause.SIGNAL and v.detail == "killed by SIGKILL"  # no evidence, no OOM
     v = classify_exit(2, ["usage: api_server.py [-h]",
@@ -67,7 +68,7 @@ def test_signal_and_argparse():
     assert v.cause is Cause.CONFIG and not v.retry
 
 
-def test_sigkill_names_the_oom_killer_only_with_the_kernels_word():
+def test_sigkill_names_the_oom_killer_only_with_the_kernels_word() -> None:
     ev = oom_evidence(0, 1, None)
     assert ev == "cgroup oom_kill 0 -> 1"
     v = classify_exit(-signal.SIGKILL, [], oom_evidence=ev)
@@ -82,7 +83,7 @@ def test_sigkill_names_the_oom_killer_only_with_the_kernels_word():
     assert "OOM" not in classify_exit(-signal.SIGTERM, [], oom_evidence=ev).detail
 
 
-def test_drain_counts_connections_and_treats_unknown_as_busy():
+def test_drain_counts_connections_and_treats_unknown_as_busy() -> None:
     assert drain_busy(None)  # nothing measured yet
     assert drain_busy(DrainSample(3, 0.0, 0.0))  # streams in the API server, gauges at 0
     assert drain_busy(DrainSample(0, 1.0, 0.0)) and drain_busy(DrainSample(0, 0.0, 2.0))
@@ -91,7 +92,7 @@ def test_drain_counts_connections_and_treats_unknown_as_busy():
     assert not drain_busy(DrainSample(0, 0.0, 0.0))
 
 
-def test_canary_timeout_with_moving_tokens_is_not_a_failure():
+def test_canary_timeout_with_moving_tokens_is_not_a_failure() -> None:
     assert not canary_counts(True, False, None, None)
     assert not canary_counts(False, True, 100.0, 180.0)  # queued behind work that progresses
     assert canary_counts(False, True, 100.0, 100.0)  # flat: hung
@@ -101,12 +102,12 @@ def test_canary_timeout_with_moving_tokens_is_not_a_failure():
     assert tokens_moved(1.0, 2.0) and not tokens_moved(2.0, 2.0) and not tokens_moved(None, 2)
 
 
-def test_requested_cause_wins():
+def test_requested_cause_wins() -> None:
     v = classify_exit(-signal.SIGTERM, KV_TOO_SMALL, requested=Cause.HANG)
     assert v.cause is Cause.HANG and "SIGTERM" in v.detail
 
 
-def test_backoff_grows_caps_and_jitters():
+def test_backoff_grows_caps_and_jitters() -> None:
     cfg = RestartConfig(backoff_initial=2, backoff_max=30, backoff_factor=2, jitter=0)
     assert [backoff_delay(n, cfg) for n in (1, 2, 3, 4, 5, 6)] == [2, 4, 8, 16, 30, 30]
     cfg = RestartConfig(backoff_initial=10, backoff_max=60, backoff_factor=2, jitter=0.2)
@@ -115,7 +116,7 @@ def test_backoff_grows_caps_and_jitters():
     assert min(delays) >= 8 and max(delays) <= 12 and len(set(delays)) > 100
 
 
-def test_budget_window_slides():
+def test_budget_window_slides() -> None:
     b = RestartBudget(3, 60)
     for t in (0, 10, 20):
         b.record(t)
@@ -124,7 +125,7 @@ def test_budget_window_slides():
     assert b.count(81) == 0
 
 
-def test_hang_needs_busy_engine_and_flat_counter():
+def test_hang_needs_busy_engine_and_flat_counter() -> None:
     h = HangDetector(10)
     assert h.observe(0, Progress(1, 0, 100)) == 0
     assert h.observe(5, Progress(1, 0, 100)) == 5
@@ -156,12 +157,12 @@ def test_hang_needs_busy_engine_and_flat_counter():
         ("  warnings.warn(", "stderr", "info", ""),
     ],
 )
-def test_vllm_line_levels(line, stream, level, proc):
+def test_vllm_line_levels(line: str, stream: str, level: str, proc: Any) -> None:
     parsed = parse_vllm_line(line, stream)
     assert (parsed.level, parsed.proc) == (level, proc)
 
 
-def test_validation_error_keeps_its_reason():
+def test_validation_error_keeps_its_reason() -> None:
     tail = ["(APIServer pid=1) ERROR 11-30 23:00:00 [x.py:1] pydantic_core._pydantic_core."
             "ValidationError: 1 validation error for ModelConfig",
             "  Value error, Model architectures ['NoSuchModelForCausalLM'] are not supported",

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import random
 import signal
-from concurrent.futures import Future
 from typing import Any
+
+from tests.support.fakes import FakeProbe, Inline, Log, Notifier
 
 from qwen4090.config import Config, from_dict
 from qwen4090.instance import PortOwner
+from qwen4090.launch import Launch
 from qwen4090.policy import Cause, classify_exit
 from qwen4090.preflight import PreflightResult
 from qwen4090.probes.http import (
-    GENERATION_TOKENS,
-    RUNNING,
-    WAITING,
-    CompletionResult,
     HealthResult,
-    MetricsResult,
 )
 from qwen4090.states import State
 from qwen4090.supervisor import Parts, Supervisor
@@ -72,17 +69,6 @@ class Child:
         return None
 
 
-class Probe:
-    def health(self, timeout: float) -> HealthResult:
-        return HealthResult(True, 200, 0.001)  # someone answers 200: ours or not
-
-    def metrics(self, timeout: float) -> MetricsResult:
-        return MetricsResult(True, {RUNNING: 0.0, WAITING: 0.0, GENERATION_TOKENS: 0.0})
-
-    def complete(self, prompt: Any, max_tokens: int, timeout: float) -> CompletionResult:
-        return CompletionResult(True, 0.01, 0.02, 1)
-
-
 class Ports:
     """Who holds the port (None: free) and whether our child listens on it."""
 
@@ -99,51 +85,6 @@ class Ports:
         return PortOwner(True) if self.ours else PortOwner(False, STRANGER)
 
 
-class Notifier:
-    watchdog_interval: float | None = None
-
-    def __init__(self) -> None:
-        self.sent: list[str] = []
-
-    def ready(self, status: str) -> bool:
-        self.sent += ["READY=1", f"STATUS={status}"]
-        return True
-
-    def status(self, status: str) -> bool:
-        self.sent.append(f"STATUS={status}")
-        return True
-
-    def watchdog(self) -> bool:
-        return True
-
-    def extend_timeout(self, seconds: float) -> bool:
-        return True
-
-    def stopping(self, status: str) -> bool:
-        return True
-
-    def reloading(self) -> bool:
-        return True
-
-
-class Inline:
-    def submit(self, fn: Any, /, *args: Any) -> Future[Any]:
-        f: Future[Any] = Future()
-        f.set_result(fn(*args))
-        return f
-
-
-class Log:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str, dict[str, Any]]] = []
-
-    def __getattr__(self, level: str) -> Any:
-        return lambda event, **kw: self.events.append((level, event, kw))
-
-    def named(self, name: str) -> list[dict[str, Any]]:
-        return [kw for _, e, kw in self.events if e == name]
-
-
 class Harness:
     def __init__(self, restart: dict[str, Any] | None = None) -> None:
         self.cfg = from_dict({
@@ -158,12 +99,12 @@ class Harness:
         self.log = Log()
         self.warmups = 0
         self.sup = Supervisor(self.cfg, Parts(
-            spawn=self.spawn, make_probe=lambda c: Probe(), preflight=self.preflight,
+            spawn=self.spawn, make_probe=lambda c: FakeProbe(), preflight=self.preflight,
             warmup=self.warm, load_config=lambda: self.cfg, notifier=self.notifier,
             executor=Inline(), log=self.log, clock=lambda: self.t, wall=lambda: 0.0,
             rand=random.Random(0), ports=self.ports))
 
-    def preflight(self, cfg: Config) -> PreflightResult:
+    def preflight(self, launch: Launch) -> PreflightResult:
         if self.ports.held_by is not None:
             return PreflightResult(transient=f"port in use by {self.ports.held_by}",
                                    port_holder=self.ports.held_by)

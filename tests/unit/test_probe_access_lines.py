@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from qwen4090.policy import PROBE_MARKER, is_probe_access, parse_vllm_line
@@ -82,7 +84,7 @@ def test_cli_on_line_drops_probe_access_lines(monkeypatch: pytest.MonkeyPatch) -
     assert not any("/health" in m for m in logged)
 
 
-def _on_line_of_run(cli: object, captured: dict[str, object]) -> object:
+def _on_line_of_run(cli: object, captured: dict[str, object]) -> Any:
     """Build `run`'s parts far enough to get its on_line (the spawn stand-in stops there)."""
     import argparse
     import contextlib
@@ -99,7 +101,7 @@ def _on_line_of_run(cli: object, captured: dict[str, object]) -> object:
         def init(self: object, c: object, parts: supervisor.Parts) -> None:
             parts.spawn(c)  # type: ignore[arg-type]
 
-        supervisor.Supervisor.__init__ = init  # type: ignore[method-assign]
+        supervisor.Supervisor.__init__ = init  # type: ignore[assignment]
         try:
             with contextlib.suppress(SystemExit):
                 cli.cmd_run(argparse.Namespace(config=cfg))  # type: ignore[attr-defined]

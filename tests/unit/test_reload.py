@@ -162,7 +162,11 @@ def test_release_timeout_from_a_reload_applies_to_the_next_relaunch() -> None:
 def test_ladder_switched_off_by_a_reload_applies_to_the_next_oom() -> None:
     h = Harness()
     calls: list[Any] = []
-    h.sup.p.gpu = GpuLadder(lambda c, v, t: calls.append(c) or ["x 2 -> 1"])
+    def adjust(c: Any, v: Any, t: Any) -> list[str]:
+        calls.append(c)
+        return ["x 2 -> 1"]
+
+    h.sup.p.gpu = GpuLadder(adjust)
     h.run_until(State.READY)
     hup(h, cfg_with(gpu={"ladder_min_util": 0.7}))
     h.child.exit(1, [CUDA_OOM, FINAL])

@@ -8,15 +8,12 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
+from tests.support.fakes import Clock, FakeChild, FakeProbe, Inline, Log, Notifier
 
 from qwen4090.config import Config, ConfigError, from_dict
-from qwen4090.policy import Cause
+from qwen4090.policy import Cause, ExitVerdict
 from qwen4090.preflight import PreflightResult
 from qwen4090.probes.http import (
-    GENERATION_TOKENS,
-    RUNNING,
-    WAITING,
-    CompletionResult,
     HealthResult,
     MetricsResult,
 )
@@ -25,175 +22,12 @@ from qwen4090.supervisor import Parts, Supervisor
 from qwen4090.warmup import WarmupResult, WarmupRow
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class FakeChild:
-    next_pid = 100
-
-    def __init__(self) -> None:
-        FakeChild.next_pid += 1
-        self.pid = FakeChild.next_pid
-        self.lines = 0
-        self.last_output = 0.0
-        self.rc: int | None = None
-        self.alive = True
-        self.signals: list[int] = []
-        self.tail: list[str] = []
-        self.ignores_term = False
-        self.engine_alive = True  # an EngineCore is in the group
-        self.connections: int | None = 0  # client connections to vLLM's port
-        self.oom: str | None = None  # the kernel's OOM evidence
-        self.closed = True  # the output pipes reached EOF
-        self.term_stops_engine_only = False  # API server waits for its connections on TERM
-        self.flushes: list[float] = []
-
-    def poll(self) -> int | None:
-        return self.rc
-
-    def tail_lines(self) -> list[str]:
-        return self.tail
-
-    def flush_output(self, timeout: float = 2.0) -> None:
-        self.flushes.append(timeout)
-        if timeout > 0 and not self.closed:
-            # the real one blocks here while a surviving EngineCore holds the pipes
-            raise AssertionError(f"the loop waited {timeout}s on the child's pipes")
-
-    def output_closed(self) -> bool:
-        return self.closed
-
-    def engine_pids(self) -> list[int]:
-        return [self.pid + 1000] if self.alive and self.engine_alive else []
-
-    def client_connections(self, port: int) -> int | None:
-        return self.connections
-
-    def oom_evidence(self) -> str | None:
-        return self.oom
-
-    def signal_group(self, sig: int) -> bool:
-        self.signals.append(sig)
-        if sig == signal.SIGTERM and self.term_stops_engine_only:
-            self.engine_alive = False
-            return True
-        if sig == signal.SIGKILL or (sig == signal.SIGTERM and not self.ignores_term):
-            if self.rc is None:
-                self.rc = -sig
-            self.alive = False
-        return True
-
-    def group_alive(self) -> bool:
-        return self.alive
-
-    def group_members(self) -> list[int]:
-        return [self.pid] if self.alive else []
-
-    def exit(self, rc: int, tail: list[str] | None = None) -> None:
-        self.rc, self.alive, self.tail = rc, False, tail or []
-
-
-class FakeProbe:
-    def __init__(self) -> None:
-        self.healthy = True
-        self.running = 0.0
-        self.waiting = 0.0
-        self.tokens = 0.0
-        self.tokens_per_metrics = 0.0  # the counter grows by this much at each /metrics read
-        self.canary_ok = True
-        self.canary_error = False  # an error answer (HTTP 500) instead of a timeout
-        self.canaries = 0
-
-    def health(self, timeout: float) -> HealthResult:
-        return HealthResult(self.healthy, 200 if self.healthy else None, 0.001,
-                            "" if self.healthy else "connection refused")
-
-    def metrics(self, timeout: float) -> MetricsResult:
-        self.tokens += self.tokens_per_metrics
-        return MetricsResult(True, {RUNNING: self.running, WAITING: self.waiting,
-                                    GENERATION_TOKENS: self.tokens})
-
-    def complete(self, prompt: Any, max_tokens: int, timeout: float) -> CompletionResult:
-        self.canaries += 1
-        if self.canary_ok:
-            return CompletionResult(True, 0.01, 0.02, 1)
-        if self.canary_error:
-            return CompletionResult(False, None, 0.01, 0, "HTTP 500: EngineDeadError")
-        return CompletionResult(False, None, timeout, 0, f"no answer within {timeout:g}s",
-                                timed_out=True)
-
-
-class Notifier:
-    watchdog_interval: float | None = None
-
-    def __init__(self) -> None:
-        self.sent: list[str] = []
-
-    def ready(self, status: str) -> bool:
-        self.sent += ["READY=1", f"STATUS={status}"]
-        return True
-
-    def status(self, status: str) -> bool:
-        self.sent.append(f"STATUS={status}")
-        return True
-
-    def watchdog(self) -> bool:
-        self.sent.append("WATCHDOG=1")
-        return True
-
-    def extend_timeout(self, seconds: float) -> bool:
-        self.sent.append(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")
-        return True
-
-    def stopping(self, status: str) -> bool:
-        self.sent.append("STOPPING=1")
-        return True
-
-    def reloading(self) -> bool:
-        self.sent.append("RELOADING=1")
-        return True
-
-
-class Inline:
-    """Runs a task at once: results are ready for the next step's harvest.
-
-    ``hold(fn)`` True keeps that task in flight (a probe that never gets its answer)."""
-
-    def __init__(self) -> None:
-        self.hold: Any = lambda fn: False
-        self.held: list[Any] = []
-
-    def submit(self, fn: Any, /, *args: Any) -> Future[Any]:
-        f: Future[Any] = Future()
-        if self.hold(fn):
-            self.held.append(fn)
-            return f
-        f.set_result(fn(*args))
-        return f
-
-
 def is_poll(fn: Any) -> bool:
     return type(fn).__name__ == "_PollJob"
 
 
 def is_canary(fn: Any) -> bool:
     return "_canary_job" in getattr(fn, "__qualname__", "")
-
-
-class Log:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str, dict[str, Any]]] = []
-
-    def __getattr__(self, level: str) -> Any:
-        return lambda event, **kw: self.events.append((level, event, kw))
-
-    def names(self) -> list[str]:
-        return [e for _, e, _ in self.events]
 
 
 def warm_ok(cfg: Config, probe: Any, progress: Any) -> WarmupResult:
@@ -225,6 +59,12 @@ class Harness:
             preflight=preflight or (lambda c: PreflightResult()), warmup=warmup,
             load_config=self.load, notifier=self.notifier, executor=self.executor, log=self.log,
             clock=self.clock, wall=lambda: 0.0, rand=random.Random(0)))
+
+    @property
+    def failure(self) -> ExitVerdict:
+        """The verdict on the last failure (there must be one)."""
+        assert self.sup.failure is not None
+        return self.sup.failure
 
     def spawn(self, cfg: Config) -> FakeChild:
         c = FakeChild()
@@ -260,7 +100,7 @@ class Harness:
         return [(kw["from"], kw["to"]) for lvl, e, kw in self.log.events if e == "state_changed"]
 
 
-def test_start_to_ready_notifies_once_after_warmup():
+def test_start_to_ready_notifies_once_after_warmup() -> None:
     h = Harness()
     h.run_until(State.READY)
     assert h.transitions() == [("preflight", "starting"), ("starting", "loading"),
@@ -271,18 +111,18 @@ def test_start_to_ready_notifies_once_after_warmup():
     assert "restarts=0" in ready_status
 
 
-def test_not_ready_before_health_and_load_timeout_restarts():
+def test_not_ready_before_health_and_load_timeout_restarts() -> None:
     h = Harness()
     h.probe.healthy = False
     h.run_until(State.LOADING)
     h.step(1.0, n=50)
     assert h.sup.state == State.LOADING and "READY=1" not in h.notifier.sent
     h.run_until(State.RESTARTING)
-    assert h.sup.failure is not None and h.sup.failure.cause is Cause.LOAD_TIMEOUT
+    assert h.sup.failure is not None and h.failure.cause is Cause.LOAD_TIMEOUT
     assert h.child.signals[0] == signal.SIGTERM
 
 
-def test_extend_timeout_only_while_output_flows():
+def test_extend_timeout_only_while_output_flows() -> None:
     h = Harness({"watch": {"load_timeout": 1000.0}})
     h.probe.healthy = False
     h.run_until(State.LOADING)
@@ -294,7 +134,7 @@ def test_extend_timeout_only_while_output_flows():
     assert sum(m.startswith("EXTEND_TIMEOUT_USEC") for m in h.notifier.sent) == extends
 
 
-def test_engine_death_line_restarts_at_once_not_at_the_api_servers_exit():
+def test_engine_death_line_restarts_at_once_not_at_the_api_servers_exit() -> None:
     # vLLM's API server outlives its EngineCore by up to its watchdog interval (4.5-4.9 s
     # measured): its own line is the earliest sign.
     h = Harness()
@@ -303,7 +143,7 @@ def test_engine_death_line_restarts_at_once_not_at_the_api_servers_exit():
     h.sup.report_engine_dead(first, "[shutdown] MPClient: engine core exited unexpectedly")
     h.step(0.1)
     assert h.sup.state == State.RESTARTING
-    assert h.sup.failure.cause is Cause.ENGINE_DEAD
+    assert h.failure.cause is Cause.ENGINE_DEAD
     assert signal.SIGTERM in first.signals  # the group is stopped, not waited for
     assert "engine_died" in h.log.names()
     h.run_until(State.READY)
@@ -314,30 +154,30 @@ def test_engine_death_line_restarts_at_once_not_at_the_api_servers_exit():
     assert h.sup.state == State.READY
 
 
-def test_engine_death_after_an_oom_text_is_an_oom_for_the_ladder():
+def test_engine_death_after_an_oom_text_is_an_oom_for_the_ladder() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.child.tail = ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"]
     h.sup.report_engine_dead(h.child, "[shutdown] MPClient: engine core exited unexpectedly")
     h.step(0.1)
-    assert h.sup.failure.cause is Cause.OOM
+    assert h.failure.cause is Cause.OOM
 
 
-def test_exit_zero_is_a_failure_and_restarts_with_backoff():
+def test_exit_zero_is_a_failure_and_restarts_with_backoff() -> None:
     h = Harness()
     h.run_until(State.READY)
     first = h.child
     first.exit(0, ["RuntimeError: cancelled"])
     h.step(0.1)
     assert h.sup.state == State.RESTARTING
-    assert h.sup.failure.cause is Cause.EXIT_0
+    assert h.failure.cause is Cause.EXIT_0
     assert h.sup.restart_at == pytest.approx(h.clock.t + 1.0, abs=0.01)  # first backoff
     h.run_until(State.READY)
     assert h.child is not first and h.sup.restarts == 1
     assert h.notifier.sent.count("READY=1") == 1  # READY=1 once per service start
 
 
-def test_crash_loop_ends_in_failed_75():
+def test_crash_loop_ends_in_failed_75() -> None:
     h = Harness()
     for _ in range(3):
         h.run_until(State.LOADING)
@@ -350,7 +190,7 @@ def test_crash_loop_ends_in_failed_75():
     assert delays == [1.0, 2.0]
 
 
-def test_stable_run_resets_backoff():
+def test_stable_run_resets_backoff() -> None:
     h = Harness({"restart": {"stable_after": 30.0}})
     h.run_until(State.READY)
     h.child.exit(1)
@@ -363,14 +203,14 @@ def test_stable_run_resets_backoff():
     assert h.sup.consecutive == 0
 
 
-def test_config_error_in_preflight_is_78_without_spawning():
+def test_config_error_in_preflight_is_78_without_spawning() -> None:
     err = ConfigError("/etc/q.toml", "vllm.model", "directory /m does not exist")
     h = Harness(preflight=lambda c: PreflightResult(fatal=err))
     h.step()
     assert h.sup.state == State.FAILED and h.sup.exit_code == 78 and not h.children
 
 
-def test_vllm_argument_error_is_not_retried():
+def test_vllm_argument_error_is_not_retried() -> None:
     h = Harness()
     h.run_until(State.LOADING)
     h.child.exit(2, ["api_server.py: error: unrecognized arguments: --bogus"])
@@ -378,7 +218,7 @@ def test_vllm_argument_error_is_not_retried():
     assert h.sup.state == State.FAILED and h.sup.exit_code == 78
 
 
-def test_transient_preflight_problem_is_retried():
+def test_transient_preflight_problem_is_retried() -> None:
     results = [PreflightResult(transient="port 127.0.0.1:8000 is in use"), PreflightResult()]
     h = Harness(preflight=lambda c: results.pop(0) if len(results) > 1 else results[0])
     h.step()
@@ -386,20 +226,20 @@ def test_transient_preflight_problem_is_retried():
     h.run_until(State.READY)
 
 
-def test_hang_detected_within_timeout_plus_two_polls():
+def test_hang_detected_within_timeout_plus_two_polls() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.probe.running, h.probe.tokens = 1.0, 50.0
     h.step(1.0, n=3)
     start = h.clock.t  # tokens freeze from here on, request still running
     h.run_until(State.RESTARTING, dt=0.25)
-    assert h.sup.failure.cause is Cause.HANG
+    assert h.failure.cause is Cause.HANG
     assert h.clock.t - start <= 10.0 + 2 * 1.0
     assert ("ready", "degraded") in h.transitions()  # degraded while stalled
     assert h.log.names().count("hang_detected") == 1
 
 
-def test_progress_keeps_it_ready():
+def test_progress_keeps_it_ready() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.probe.running = 4.0
@@ -409,17 +249,17 @@ def test_progress_keeps_it_ready():
     assert h.sup.state == State.READY
 
 
-def test_idle_canary_failure_restarts():
+def test_idle_canary_failure_restarts() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.step(1.0, n=6)
     assert h.probe.canaries >= 1 and h.sup.state == State.READY
     h.probe.canary_ok = False
     h.run_until(State.RESTARTING)
-    assert h.sup.failure.cause is Cause.CANARY
+    assert h.failure.cause is Cause.CANARY
 
 
-def test_no_canary_while_busy():
+def test_no_canary_while_busy() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.probe.running = 1.0
@@ -429,17 +269,17 @@ def test_no_canary_while_busy():
     assert h.probe.canaries == 0
 
 
-def test_unhealthy_degrades_then_restarts():
+def test_unhealthy_degrades_then_restarts() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.probe.healthy = False
     h.step(1.0, n=2)
     assert h.sup.state == State.DEGRADED
     h.run_until(State.RESTARTING)
-    assert h.sup.failure.cause is Cause.UNHEALTHY
+    assert h.failure.cause is Cause.UNHEALTHY
 
 
-def test_degraded_recovers():
+def test_degraded_recovers() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.probe.healthy = False
@@ -449,7 +289,7 @@ def test_degraded_recovers():
     assert h.sup.state == State.READY
 
 
-def test_sigterm_drains_then_stops_group():
+def test_sigterm_drains_then_stops_group() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.probe.running, h.probe.tokens = 2.0, 5.0
@@ -465,7 +305,7 @@ def test_sigterm_drains_then_stops_group():
     assert h.sup.exit_code == 0
 
 
-def test_stop_escalates_to_sigkill_after_term_timeout():
+def test_stop_escalates_to_sigkill_after_term_timeout() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.child.ignores_term = True  # and its EngineCore stays: nothing says "hurry"
@@ -481,7 +321,7 @@ def test_stop_escalates_to_sigkill_after_term_timeout():
     assert h.clock.t - term >= 3.0
 
 
-def test_drain_waits_for_client_connections_though_the_gauges_read_zero():
+def test_drain_waits_for_client_connections_though_the_gauges_read_zero() -> None:
     # vLLM's gauges miss requests still in the API server: 8 streams open, running 0.0.
     h = Harness({"stop": {"drain_timeout": 30.0}})
     h.run_until(State.READY)
@@ -500,7 +340,7 @@ def test_drain_waits_for_client_connections_though_the_gauges_read_zero():
     h.run_until(State.STOPPED)
 
 
-def test_drain_that_cannot_tell_is_busy_until_the_deadline():
+def test_drain_that_cannot_tell_is_busy_until_the_deadline() -> None:
     h = Harness({"stop": {"drain_timeout": 5.0, "term_timeout": 30.0}})
     h.run_until(State.READY)
     h.child.connections = None  # psutil cannot see the sockets
@@ -522,7 +362,7 @@ def test_drain_that_cannot_tell_is_busy_until_the_deadline():
     assert h.clock.t - stop <= 5.0 + 2.0 + 1.0
 
 
-def test_drain_counts_connections_while_the_metrics_probe_hangs():
+def test_drain_counts_connections_while_the_metrics_probe_hangs() -> None:
     # A busy API server may not even accept the /metrics connection in time (seen in CI: no
     # drain sample at all by the deadline); the local connection count must not wait for it.
     h = Harness({"stop": {"drain_timeout": 3.0, "term_timeout": 30.0}})
@@ -537,21 +377,26 @@ def test_drain_counts_connections_while_the_metrics_probe_hangs():
     assert drained["running"] is None and drained["seconds"] >= 3.0
 
 
-def test_drain_count_and_gauges_never_overlap():
+def test_drain_count_and_gauges_never_overlap() -> None:
     # The gauges' own HTTP connection to vLLM must not be counted as a client (seen: 9 for 8).
     h = Harness({"stop": {"drain_timeout": 3.0, "term_timeout": 30.0}})
     h.run_until(State.READY)
     h.child.connections = 8
     held: list[Any] = []
-    h.executor.hold = lambda fn: "_drain_gauges_job" in getattr(fn, "__qualname__", "") \
-        and not held.append(fn)
+    def hold(fn: Any) -> bool:
+        if "_drain_gauges_job" in getattr(fn, "__qualname__", ""):
+            held.append(fn)
+            return True
+        return False
+
+    h.executor.hold = hold
     h.sup.deliver(signal.SIGTERM)
     h.step(0.1, n=6)
     assert len(held) == 1  # in flight: no count is started beside it
     assert set(h.sup.tasks) == {"drain_gauges"}
 
 
-def test_api_server_waiting_for_connections_after_its_engine_is_gone_is_killed():
+def test_api_server_waiting_for_connections_after_its_engine_is_gone_is_killed() -> None:
     # The restart of a failed canary: TERM ends the EngineCore, the API server lingers.
     h = Harness({"stop": {"term_timeout": 15.0}})
     h.run_until(State.READY)
@@ -567,14 +412,14 @@ def test_api_server_waiting_for_connections_after_its_engine_is_gone_is_killed()
     assert h.children[0].signals == [signal.SIGTERM, signal.SIGCONT, signal.SIGKILL]
 
 
-def test_hang_restart_continues_the_group_and_kills_without_term_timeout():
+def test_hang_restart_continues_the_group_and_kills_without_term_timeout() -> None:
     h = Harness({"stop": {"term_timeout": 15.0}})
     h.run_until(State.READY)
     hung = h.child
     hung.ignores_term = True  # a stopped EngineCore does not act on TERM
     h.probe.running, h.probe.tokens = 1.0, 50.0
     h.run_until(State.RESTARTING)
-    assert h.sup.failure.cause is Cause.HANG
+    assert h.failure.cause is Cause.HANG
     term = h.clock.t
     assert hung.signals == [signal.SIGTERM, signal.SIGCONT]
     h.run_until(State.PREFLIGHT, dt=0.25)
@@ -584,7 +429,7 @@ def test_hang_restart_continues_the_group_and_kills_without_term_timeout():
     assert h.sup.gone_at - term <= 2.0 + 0.5
 
 
-def test_second_sigterm_skips_drain():
+def test_second_sigterm_skips_drain() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.probe.running = 1.0
@@ -595,7 +440,7 @@ def test_second_sigterm_skips_drain():
     assert h.child.signals == [signal.SIGTERM, signal.SIGCONT]
 
 
-def test_sighup_with_broken_config_keeps_serving():
+def test_sighup_with_broken_config_keeps_serving() -> None:
     err = ConfigError("/etc/q.toml", "vllm.port", "found 0, expected an integer from 1")
     h = Harness(reload_to=err)
     h.run_until(State.READY)
@@ -607,7 +452,7 @@ def test_sighup_with_broken_config_keeps_serving():
     assert h.notifier.sent[-3:-1] == ["RELOADING=1", "READY=1"]
 
 
-def test_sighup_supervisor_setting_applies_live():
+def test_sighup_supervisor_setting_applies_live() -> None:
     h = Harness()
     new = from_dict({"watch": {"hang_timeout": 3.0, "poll_interval": 1.0},
                      "restart": {"backoff_initial": 1.0, "backoff_max": 4.0, "jitter": 0.0,
@@ -622,25 +467,25 @@ def test_sighup_supervisor_setting_applies_live():
     assert h.sup.hang.hang_timeout == 3
 
 
-def test_sighup_vllm_change_is_a_controlled_restart_not_a_failure():
+def test_sighup_vllm_change_is_a_controlled_restart_not_a_failure() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.reload_to = from_dict({"vllm": {"max_num_seqs": 4}})
     h.sup.deliver(signal.SIGHUP)
     h.step(0.1)
-    assert h.sup.state == State.RESTARTING and h.sup.failure.cause is Cause.RELOAD
+    assert h.sup.state == State.RESTARTING and h.failure.cause is Cause.RELOAD
     h.run_until(State.READY)
     assert h.sup.budget.count(h.clock.t) == 0 and h.sup.restarts == 1
 
 
-def test_warmup_failure_is_a_failed_start():
+def test_warmup_failure_is_a_failed_start() -> None:
     h = Harness(warmup=lambda c, p, prog: WarmupResult(False, error="HTTP 500: boom"))
     h.run_until(State.RESTARTING)
-    assert h.sup.failure.cause is Cause.WARMUP_FAILED
+    assert h.failure.cause is Cause.WARMUP_FAILED
     assert "READY=1" not in h.notifier.sent
 
 
-def test_stale_probe_results_are_dropped():
+def test_stale_probe_results_are_dropped() -> None:
     h = Harness()
     h.run_until(State.READY)
     f: Future[Any] = Future()
@@ -652,7 +497,7 @@ def test_stale_probe_results_are_dropped():
     assert h.sup.state == State.READY
 
 
-def test_watchdog_pings_from_the_loop():
+def test_watchdog_pings_from_the_loop() -> None:
     h = Harness()
     h.notifier.watchdog_interval = 2.0
     h.run_until(State.READY)
@@ -661,7 +506,7 @@ def test_watchdog_pings_from_the_loop():
     assert h.notifier.sent.count("WATCHDOG=1") - before == 5
 
 
-def test_canary_timeout_while_tokens_move_is_not_a_restart():
+def test_canary_timeout_while_tokens_move_is_not_a_restart() -> None:
     # The canary queued behind long prompts: no answer in time, but the engine progresses.
     h = Harness()
     h.run_until(State.READY)
@@ -676,19 +521,19 @@ def test_canary_timeout_while_tokens_move_is_not_a_restart():
     # the same timeout with the counters flat is a failure
     h.probe.tokens_per_metrics = 0.0
     h.run_until(State.RESTARTING)
-    assert h.sup.failure.cause is Cause.CANARY
+    assert h.failure.cause is Cause.CANARY
 
 
-def test_canary_error_answer_fails_even_while_tokens_move():
+def test_canary_error_answer_fails_even_while_tokens_move() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.probe.canary_ok, h.probe.canary_error = False, True
     h.probe.tokens_per_metrics = 7.0
     h.run_until(State.RESTARTING)
-    assert h.sup.failure.cause is Cause.CANARY and "HTTP 500" in h.sup.failure.detail
+    assert h.failure.cause is Cause.CANARY and "HTTP 500" in h.failure.detail
 
 
-def test_stuck_canary_with_progress_is_not_a_restart_without_it_is():
+def test_stuck_canary_with_progress_is_not_a_restart_without_it_is() -> None:
     h = Harness()
     h.executor.hold = is_canary  # the canary's thread never comes back
     h.run_until(State.READY)
@@ -698,10 +543,10 @@ def test_stuck_canary_with_progress_is_not_a_restart_without_it_is():
     assert [e for e in h.log.names() if e == "canary_slow"] == ["canary_slow"]  # once
     h.probe.tokens_per_metrics = 0.0
     h.run_until(State.RESTARTING, dt=0.5)
-    assert h.sup.failure.cause is Cause.CANARY and "stuck" in h.sup.failure.detail
+    assert h.failure.cause is Cause.CANARY and "stuck" in h.failure.detail
 
 
-def test_health_probe_without_answer_fails_from_when_it_was_sent():
+def test_health_probe_without_answer_fails_from_when_it_was_sent() -> None:
     # A SIGSTOPped API server: the kernel accepts the connection, no answer ever comes.
     h = Harness({"watch": {"unhealthy_timeout": 3.0, "health_timeout": 1.0,
                            "poll_interval": 1.0, "canary_interval": 0.0}})
@@ -709,7 +554,7 @@ def test_health_probe_without_answer_fails_from_when_it_was_sent():
     stopped = h.clock.t
     h.executor.hold = is_poll
     h.run_until(State.RESTARTING, dt=0.25, limit=200)
-    assert h.sup.failure.cause is Cause.UNHEALTHY
+    assert h.failure.cause is Cause.UNHEALTHY
     failed = next(i for i, (_, e, _) in enumerate(h.log.events) if e == "health_failed")
     assert "no answer within 1s" in h.log.events[failed][2]["error"]
     # bound: unhealthy_timeout + one poll interval (+ one tick)
@@ -717,7 +562,7 @@ def test_health_probe_without_answer_fails_from_when_it_was_sent():
     assert ("ready", "degraded") in h.transitions()
 
 
-def test_failed_health_answer_is_dated_from_the_probe_start():
+def test_failed_health_answer_is_dated_from_the_probe_start() -> None:
     h = Harness({"watch": {"unhealthy_timeout": 3.0}})
     h.run_until(State.READY)
     h.probe.healthy = False
@@ -727,7 +572,7 @@ def test_failed_health_answer_is_dated_from_the_probe_start():
     assert h.sup.unhealthy_since is not None and h.sup.unhealthy_since <= first
 
 
-def test_dead_child_seen_in_one_step_without_waiting_on_its_pipes():
+def test_dead_child_seen_in_one_step_without_waiting_on_its_pipes() -> None:
     h = Harness()
     h.run_until(State.READY)
     c = h.child
@@ -745,12 +590,12 @@ def test_dead_child_seen_in_one_step_without_waiting_on_its_pipes():
     c.tail = [*c.tail, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB"]
     c.closed = True
     h.step(0.25)
-    assert h.sup.child is None and h.sup.failure.cause is Cause.OOM
+    assert h.sup.child is None and h.failure.cause is Cause.OOM
     assert "exit_classified" in h.log.names()
     assert all(t == 0 for t in c.flushes)
 
 
-def test_output_wait_is_bounded_when_the_pipes_never_close():
+def test_output_wait_is_bounded_when_the_pipes_never_close() -> None:
     h = Harness()
     h.run_until(State.READY)
     c = h.child
@@ -764,7 +609,7 @@ def test_output_wait_is_bounded_when_the_pipes_never_close():
     assert h.sup.failure is None or h.sup.history[-1].cause == "crash"
 
 
-def test_status_says_ready_after_a_restart():
+def test_status_says_ready_after_a_restart() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.child.exit(1, ["ValueError: boom"])
@@ -775,7 +620,7 @@ def test_status_says_ready_after_a_restart():
     assert h.notifier.sent.count("READY=1") == 1
 
 
-def test_sigkill_says_oom_only_with_the_kernels_evidence():
+def test_sigkill_says_oom_only_with_the_kernels_evidence() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.child.rc = -signal.SIGKILL
@@ -792,7 +637,7 @@ def test_sigkill_says_oom_only_with_the_kernels_evidence():
                                 "(cgroup oom_kill 0 -> 1)")
 
 
-def test_first_restart_after_a_stable_run_has_the_initial_backoff():
+def test_first_restart_after_a_stable_run_has_the_initial_backoff() -> None:
     h = Harness({"restart": {"stable_after": 30.0, "budget_failures": 10}})
     for _ in range(2):  # two quick failures: the backoff grows
         h.run_until(State.LOADING)
@@ -812,7 +657,7 @@ def test_first_restart_after_a_stable_run_has_the_initial_backoff():
     assert delays == [1.0, 2.0, 1.0]
 
 
-def test_reload_that_shortens_the_poll_interval_acts_from_the_last_poll():
+def test_reload_that_shortens_the_poll_interval_acts_from_the_last_poll() -> None:
     h = Harness({"watch": {"poll_interval": 20.0, "canary_interval": 0.0,
                            "hang_timeout": 60.0, "unhealthy_timeout": 30.0}})
     h.run_until(State.READY)
@@ -824,11 +669,11 @@ def test_reload_that_shortens_the_poll_interval_acts_from_the_last_poll():
     h.probe.healthy = False
     stopped = h.clock.t
     h.run_until(State.RESTARTING, dt=0.25)
-    assert h.sup.failure.cause is Cause.UNHEALTHY
+    assert h.failure.cause is Cause.UNHEALTHY
     assert h.clock.t - stopped <= 3.0 + 1.0 + 0.5
 
 
-def test_api_server_stopping_between_health_and_metrics_counts_from_the_metrics_request():
+def test_api_server_stopping_between_health_and_metrics_counts_from_the_metrics_request() -> Any:
     h = Harness({"watch": {"unhealthy_timeout": 3.0, "health_timeout": 1.0,
                            "poll_interval": 1.0, "canary_interval": 0.0}})
     h.run_until(State.READY)
@@ -842,11 +687,11 @@ def test_api_server_stopping_between_health_and_metrics_counts_from_the_metrics_
         return False
     h.executor.hold = hold
     h.run_until(State.RESTARTING, dt=0.25, limit=200)
-    assert h.sup.failure.cause is Cause.UNHEALTHY and "/metrics" in h.sup.failure.detail
+    assert h.failure.cause is Cause.UNHEALTHY and "/metrics" in h.failure.detail
     assert h.clock.t - stopped <= 3.0 + 1.0 + 0.25
 
 
-def test_metrics_timeout_after_a_good_health_is_not_a_recovery():
+def test_metrics_timeout_after_a_good_health_is_not_a_recovery() -> None:
     h = Harness({"watch": {"unhealthy_timeout": 3.0}})
     h.run_until(State.READY)
     h.probe.healthy = False
@@ -860,7 +705,7 @@ def test_metrics_timeout_after_a_good_health_is_not_a_recovery():
     assert h.sup.unhealthy_since == since and "health_recovered" not in h.log.names()
 
 
-def test_stale_good_health_with_overdue_metrics_is_no_recovery_and_the_window_runs_on():
+def test_stale_good_health_with_overdue_metrics_is_no_recovery_and_the_window_runs_on() -> None:
     # Seen on the real vLLM: the poll's /health was answered just before the SIGSTOP, its
     # /metrics timed out; harvesting it flipped DEGRADED -> READY and the next probe's first
     # health_timeout seconds went unjudged (restart 10 s after the stop, not 6 + 1).
@@ -872,7 +717,13 @@ def test_stale_good_health_with_overdue_metrics_is_no_recovery_and_the_window_ru
     stopped = h.clock.t
     h.step(1.0)  # the poll: /health ok, /metrics overdue -> failing, dated from /metrics
     held: list[Any] = []
-    h.executor.hold = lambda fn: is_poll(fn) and not held.append(fn)  # then nothing answers
+    def hold(fn: Any) -> bool:  # then nothing answers
+        if is_poll(fn):
+            held.append(fn)
+            return True
+        return False
+
+    h.executor.hold = hold
     h.run_until(State.RESTARTING, dt=0.25, limit=100)
     assert ("degraded", "ready") not in h.transitions()
     assert h.clock.t - stopped <= 3.0 + 1.0 + 0.5

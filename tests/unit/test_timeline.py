@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from tests.support.fakes import Clock, Log
 
 from qwen4090 import httpapi
 from qwen4090.config import from_dict
@@ -113,27 +114,6 @@ def test_a_later_loading_line_moves_the_mark_but_kv_keeps_the_first() -> None:
 # --- the watch: events in, events/histograms/status out ------------------------------------------
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class Log:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
-
-    def info(self, event: str, **fields: Any) -> None:
-        self.events.append((event, fields))
-
-    error = warning = info
-
-    def named(self, name: str) -> list[dict[str, Any]]:
-        return [f for e, f in self.events if e == name]
-
-
 def tr(w: TimelineWatch, src: str, dst: str, reason: str = "") -> None:
     w("transition", {"from": src, "to": dst, "reason": reason})
 
@@ -168,7 +148,7 @@ def histogram(reg: CollectorRegistry, name: str) -> dict[str, float]:
 
 
 def test_a_start_logs_one_startup_timeline_and_fills_the_histogram() -> None:
-    clock, log = Clock(), Log()
+    clock, log = Clock(100.0), Log()
     w = TimelineWatch(log, clock=clock, wall=lambda: 1.7e9)
     reg = CollectorRegistry()
     w.register(reg)
@@ -190,7 +170,7 @@ def test_a_start_logs_one_startup_timeline_and_fills_the_histogram() -> None:
 
 
 def test_a_failed_start_is_logged_but_not_observed() -> None:
-    clock, log = Clock(), Log()
+    clock, log = Clock(100.0), Log()
     w = TimelineWatch(log, clock=clock)
     reg = CollectorRegistry()
     w.register(reg)
@@ -206,7 +186,7 @@ def test_a_failed_start_is_logged_but_not_observed() -> None:
 
 
 def test_a_crash_logs_a_recovery_timeline_from_vllms_first_error_line() -> None:
-    clock, log = Clock(), Log()
+    clock, log = Clock(100.0), Log()
     w = TimelineWatch(log, clock=clock, wall=lambda: 1.7e9)
     reg = CollectorRegistry()
     w.register(reg)
@@ -237,7 +217,7 @@ def test_a_crash_logs_a_recovery_timeline_from_vllms_first_error_line() -> None:
 
 
 def test_a_hang_starts_at_the_last_token_progress_and_retries_count_as_one_recovery() -> None:
-    clock, log = Clock(), Log()
+    clock, log = Clock(100.0), Log()
     w = TimelineWatch(log, clock=clock)
     start(w, clock)
     clock.t += 100
@@ -258,7 +238,7 @@ def test_a_hang_starts_at_the_last_token_progress_and_retries_count_as_one_recov
 
 
 def test_an_exit_seen_by_the_loop_is_the_fault_when_vllm_said_nothing() -> None:
-    clock, log = Clock(), Log()
+    clock, log = Clock(100.0), Log()
     w = TimelineWatch(log, clock=clock)
     start(w, clock)
     clock.t += 10
@@ -271,7 +251,7 @@ def test_an_exit_seen_by_the_loop_is_the_fault_when_vllm_said_nothing() -> None:
 
 
 def test_a_stop_before_ready_drops_the_recovery() -> None:
-    clock, log = Clock(), Log()
+    clock, log = Clock(100.0), Log()
     w = TimelineWatch(log, clock=clock)
     start(w, clock)
     tr(w, "ready", "restarting", "crash")
@@ -306,7 +286,7 @@ def test_status_and_metrics_show_the_timelines() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    clock, log = Clock(), Log()
+    clock, log = Clock(100.0), Log()
     w = TimelineWatch(log, clock=clock)
     api = httpapi.start(_Sup(port, clock), log, sources=[w])
     try:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
+from tests.support.fakes import Log
 
 from qwen4090 import xid
 from qwen4090.probes import nvml
@@ -37,14 +36,6 @@ def test_without_pynvml_everything_says_why(monkeypatch: pytest.MonkeyPatch) -> 
     why = nvml.wait_for_driver(2.0, clock=lambda: t[0],
                                sleep=lambda s: t.__setitem__(0, t[0] + s))
     assert why is not None and t[0] == pytest.approx(2.0)
-
-
-class Log:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str, dict[str, Any]]] = []
-
-    def __getattr__(self, level: str) -> Any:
-        return lambda event, **kw: self.events.append((level, event, kw))
 
 
 def sample(used_gib: float, temp: int = 40, throttle: tuple[str, ...] = (),
