@@ -150,3 +150,27 @@ def test_client_connections_counts_clients_not_our_own_sockets() -> None:
             c.close()
         child.signal_group(signal.SIGKILL)
         child.proc.wait(10)
+
+
+def test_count_clients_reads_the_kernels_tables() -> None:
+    from qwen4090.child import count_clients
+
+    head = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid" \
+           "  timeout inode\n"
+    rest = "00000000:00000000 00:00000000 00000000     0        0"
+    v4 = head + "".join(f"   {i}: {loc} {rem} {st} {rest} {ino} 1\n"
+                        for i, (loc, rem, st, ino) in enumerate([
+                            ("0100007F:1F40", "00000000:0000", "0A", "10"),  # the listener
+                            ("0100007F:1F40", "0100007F:9C40", "01", "11"),  # a client :40000
+                            ("0100007F:1F40", "0100007F:9C41", "01", "12"),  # our probe :40001
+                            ("0100007F:9C41", "0100007F:1F40", "01", "13"),  # its other side
+                            ("0100007F:1F40", "0100007F:9C42", "06", "14"),  # TIME_WAIT
+                            ("0100007F:1F41", "0100007F:9C43", "01", "15"),  # another port
+                        ]))
+    # an IPv4 client seen through a dual-stack listener: ::ffff:127.0.0.1
+    v6 = head + ("   0: 0000000000000000FFFF00000100007F:1F40 "
+                 f"0000000000000000FFFF00000100007F:9C44 01 {rest} 16 1\n")
+    assert count_clients(8000, [v4], own_inodes={"13"}) == 1
+    assert count_clients(8000, [v4], own_inodes=set()) == 2
+    assert count_clients(8000, [v4, v6], own_inodes={"13"}) == 2
+    assert count_clients(8001, [v4], own_inodes=set()) == 1
