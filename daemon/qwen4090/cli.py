@@ -1,22 +1,26 @@
-"""The `qwen4090` command: the composition root that builds the real parts and hands them in.
+"""The `qwen4090` command, the composition root: it owns the command table and the wiring
+(building the real parts and handing them to the supervisor) and turns the outcome into the
+exit code.
 
-Only this module turns a fatal condition into an exit code.
+Command modules (provision, plancmd, statuscmd, bench) import nothing from here: COMMANDS below
+names the function of each, and what they share is in commands.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
-from qwen4090 import __version__, logs
+from qwen4090 import __version__, bench, logs, plancmd, provision, statuscmd
 from qwen4090 import config as config_mod
-from qwen4090.config import DEFAULT_CONFIG_PATH, Config, ConfigError
+from qwen4090.commands import config_arg, config_error
+from qwen4090.config import Config, ConfigError
 from qwen4090.policy import (
     EX_CONFIG,
     EX_SOFTWARE,
@@ -27,41 +31,9 @@ from qwen4090.policy import (
     parse_vllm_line,
 )
 
-# Subcommands: name -> (help, add_arguments, run).  Other modules add theirs with `command`.
-Command = tuple[str, Callable[[argparse.ArgumentParser], None],
-                Callable[[argparse.Namespace], int]]
-COMMANDS: dict[str, Command] = {}
-
-
-def command(name: str, help: str) -> Callable[[Callable[[argparse.ArgumentParser], None]],
-                                              Callable[[Callable[[argparse.Namespace], int]],
-                                                       Callable[[argparse.Namespace], int]]]:
-    """Register a subcommand: @command(name, help)(add_arguments)(run)."""
-    def with_args(add: Callable[[argparse.ArgumentParser], None]) -> Any:
-        def with_run(run: Callable[[argparse.Namespace], int]) -> Any:
-            COMMANDS[name] = (help, add, run)
-            return run
-        return with_run
-    return with_args
-
-
-def _config_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", default=os.environ.get("QWEN4090_CONFIG",
-                                                            str(DEFAULT_CONFIG_PATH)),
-                   help=f"main config file (default {DEFAULT_CONFIG_PATH}, or $QWEN4090_CONFIG);"
-                        " conf.d/*.toml beside it is merged in")
-
-
-def config_error(e: ConfigError) -> int:
-    print(f"qwen4090: config error: {e}", file=sys.stderr)
-    return EX_CONFIG
-
-
 # --- check-config -----------------------------------------------------------------------------
 
 
-@command("check-config", "validate the configuration (and the files it names); exit 0 or 78")(
-    _config_arg)
 def cmd_check_config(args: argparse.Namespace) -> int:
     from qwen4090 import preflight
     from qwen4090.child import render_argv
@@ -119,7 +91,6 @@ class ThreadRunner:
         return fut
 
 
-@command("run", "run the daemon in the foreground (what systemd's ExecStart runs)")(_config_arg)
 def cmd_run(args: argparse.Namespace) -> int:
     from qwen4090 import child, signals, warmup
     from qwen4090.notify import Notifier
@@ -287,24 +258,39 @@ def live_settings(sup: Any, gpu: Any, on_gpu_fault: Callable[[str], None]
     return on_event
 
 
-# --- main -------------------------------------------------------------------------------------
+# --- the command table and main -----------------------------------------------------------------
 
 
-def _load_plugins() -> None:
-    """Modules that register more subcommands (each optional until it exists)."""
-    import importlib
+@dataclass(frozen=True)
+class Command:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
 
-    for name in ("qwen4090.provision", "qwen4090.plancmd", "qwen4090.statuscmd",
-                 "qwen4090.bench"):
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
+
+# Every subcommand, in the order `qwen4090 --help` lists them.
+COMMANDS: dict[str, Command] = {
+    "check-config": Command("validate the configuration (and the files it names); exit 0 or 78",
+                            config_arg, cmd_check_config),
+    "run": Command("run the daemon in the foreground (what systemd's ExecStart runs)",
+                   config_arg, cmd_run),
+    "install-runtime": Command("create vLLM's runtime venv (default /opt/qwen4090/venv)",
+                               provision.add_install_args, provision.cmd_install_runtime),
+    "fetch-model": Command("put a model into /var/lib/qwen4090/models (hub or local directory)",
+                           provision.add_fetch_args, provision.cmd_fetch_model),
+    "plan": Command("show the KV-cache account for the config on this GPU; exit 78 if it "
+                    "cannot fit", plancmd.add_plan_args, plancmd.cmd_plan),
+    "reset-learned": Command("forget the settings learned from out-of-memory restarts",
+                             config_arg, plancmd.cmd_reset_learned),
+    "status": Command("show what the running daemon is doing; exit 0 ready, 1 not ready, "
+                      "3 not running", statuscmd.add_args, statuscmd.cmd_status),
+    "bench": Command("measure TTFT/TPOT/throughput with `vllm bench serve` and the standard "
+                     "workload; --slo-ttft-p99-ms makes it a check", bench.add_args,
+                     bench.cmd_bench),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    _load_plugins()
     codes = "\n".join(f"  {code:>3}  {text}" for code, text in EXIT_CODES.items())
     parser = argparse.ArgumentParser(
         prog="qwen4090",
@@ -313,10 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"qwen4090 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (help_text, add, _run) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text, epilog=f"exit codes:\n"
+    for name, c in COMMANDS.items():
+        p = sub.add_parser(name, help=c.help, description=c.help, epilog=f"exit codes:\n"
                            f"{codes}", formatter_class=argparse.RawDescriptionHelpFormatter)
-        add(p)
+        c.add_arguments(p)
     return parser
 
 
@@ -326,5 +312,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    _help, _add, run = COMMANDS[args.command]
-    return run(args)
+    return COMMANDS[args.command].run(args)

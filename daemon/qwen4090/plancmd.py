@@ -15,13 +15,14 @@ import sys
 from pathlib import Path
 
 from qwen4090 import learned, plan
-from qwen4090.cli import _config_arg, command, config_error
+from qwen4090.commands import config_arg, config_error
 from qwen4090.config import Config, ConfigError
 from qwen4090.launch import read_facts, resolve
+from qwen4090.policy import EX_CONFIG
 
 
-def _plan_args(p: argparse.ArgumentParser) -> None:
-    _config_arg(p)
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    config_arg(p)
     p.add_argument("--model", help="model directory (default: vllm.model of the config)")
     p.add_argument("--gpu-memory", type=float, metavar="GIB",
                    help="plan for a GPU with this much memory instead of reading NVML "
@@ -29,8 +30,6 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
-@command("plan", "show the KV-cache account for the config on this GPU; exit 78 if it "
-                 "cannot fit")(_plan_args)
 def cmd_plan(args: argparse.Namespace) -> int:
     from qwen4090 import config as config_mod
 
@@ -44,8 +43,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         model = plan.read_model(cfg.vllm.model)
     except plan.PlanError as e:
-        print(f"qwen4090: plan: {e}", file=sys.stderr)
-        return 78
+        return config_error(e, "plan")
     gpu = plan.gpu_memory_from(args.gpu_memory, cfg)
     if isinstance(gpu, str):
         print(f"qwen4090: plan: {gpu}", file=sys.stderr)
@@ -73,14 +71,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print("note: gpu.enabled = \"off\": the daemon launches without this plan's "
                   "choices")
         print(f"argv      {' '.join(launch.argv)}")
-    return 0 if account.fits else 78
+    return 0 if account.fits else EX_CONFIG
 
 
-def _reset_args(p: argparse.ArgumentParser) -> None:
-    _config_arg(p)
-
-
-@command("reset-learned", "forget the settings learned from out-of-memory restarts")(_reset_args)
 def cmd_reset_learned(args: argparse.Namespace) -> int:
     from qwen4090 import config as config_mod
 

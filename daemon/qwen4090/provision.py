@@ -23,8 +23,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qwen4090.cli import command
-
 if TYPE_CHECKING:
     from qwen4090.config import Config
     from qwen4090.preflight import PreflightResult
@@ -224,7 +222,7 @@ def check_runtime_version(cfg: Config, res: PreflightResult) -> None:
         res.warnings.append(warning)
 
 
-def _add_install_args(p: argparse.ArgumentParser) -> None:
+def add_install_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV,
                    help=f"where to create the venv (default {DEFAULT_VENV})")
     p.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION,
@@ -243,8 +241,6 @@ def _add_install_args(p: argparse.ArgumentParser) -> None:
                         "this machine that the wheelhouse does not carry)")
 
 
-@command("install-runtime", "create vLLM's runtime venv (default /opt/qwen4090/venv)")(
-    _add_install_args)
 def cmd_install_runtime(args: argparse.Namespace) -> int:
     try:
         done = install_runtime(args.venv, args.package, args.vllm_version, args.wheelhouse,
@@ -349,7 +345,7 @@ def fetch_model(repo: str, dest: Path, from_dir: Path | None, revision: str | No
     return f"model {source} is in {dest}; set [vllm] model = \"{dest}\""
 
 
-def _add_fetch_args(p: argparse.ArgumentParser) -> None:
+def add_fetch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("repo", metavar="REPO", help="model id on the hub, e.g. Qwen/Qwen3-14B-AWQ")
     p.add_argument("--dest", type=Path, metavar="DIR",
                    help=f"target directory (default {DEFAULT_MODELS}/NAME)")
@@ -359,8 +355,6 @@ def _add_fetch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing model")
 
 
-@command("fetch-model", "put a model into /var/lib/qwen4090/models (hub or local directory)")(
-    _add_fetch_args)
 def cmd_fetch_model(args: argparse.Namespace) -> int:
     try:
         dest = args.dest or default_dest(args.repo)

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from qwen4090 import config as config_mod
-from qwen4090.cli import _config_arg, command
+from qwen4090.commands import config_arg
 from qwen4090.config import ConfigError, StatusConfig
 
 EXIT_READY = 0
@@ -24,8 +24,8 @@ EXIT_NOT_RUNNING = 3
 FINAL_STATES = ("stopped", "failed")
 
 
-def _add_args(p: argparse.ArgumentParser) -> None:
-    _config_arg(p)
+def add_args(p: argparse.ArgumentParser) -> None:
+    config_arg(p)
     p.add_argument("--json", action="store_true", help="print the /status document as JSON")
     p.add_argument("--url", help="status endpoint, e.g. http://127.0.0.1:8090 (default: "
                                  "[status] host and port of the config)")
@@ -143,8 +143,6 @@ def _dur(s: Any) -> str:
     return f"{s / 3600:.1f}h"
 
 
-@command("status", "show what the running daemon is doing; exit 0 ready, 1 not ready, "
-                   "3 not running")(_add_args)
 def cmd_status(args: argparse.Namespace) -> int:
     host, port, note = endpoint(args)
     if note:

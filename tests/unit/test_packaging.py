@@ -226,7 +226,6 @@ def _man_sections(page: str) -> dict[str, list[str]]:
 def test_man_page_covers_every_command_and_exit_code() -> None:
     page = (ROOT / "packaging/man/qwen4090.8").read_text()
     sections = _man_sections(page)
-    cli._load_plugins()
     assert sorted(sections["COMMANDS"]) == sorted(cli.COMMANDS)
     # 2 is argparse's usage error (and `qwen4090` without a command), not in policy.EXIT_CODES
     with pytest.raises(SystemExit) as e:
