@@ -1,6 +1,6 @@
-"""The `qwen4090` command, the composition root: it owns the command table and the wiring
-(building the real parts and handing them to the supervisor) and turns the outcome into the
-exit code.
+"""The `qwen4090` command, the composition root: it owns the command table and all the wiring
+(building the real parts, handing them to the supervisor, fanning a reload out to what was set
+up from the config) and turns the outcome into the exit code.
 
 Command modules (provision, plancmd, statuscmd, bench) import nothing from here: COMMANDS below
 names the function of each, and what they share is in commands.py.
@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from qwen4090 import __version__, bench, logs, plancmd, provision, statuscmd
+from qwen4090 import __version__, bench, httpapi, logs, plancmd, provision, statuscmd
 from qwen4090 import config as config_mod
 from qwen4090.commands import config_arg, config_error
 from qwen4090.config import Config, ConfigError
@@ -205,14 +205,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         sup.report_gpu_fault(detail)
         wake.wake()
 
-    # --- gpu (H5): samples reach the listeners (/status, /metrics); a reload redoes what was
-    # set up from the config at start-up: logging and the GPU watch.
+    # --- gpu (H5): samples reach the listeners (/status, /metrics)
     gpu.start_watch(cfg, on_gpu_fault, sup.report_gpu_sample)
-    sup.p.listeners.append(live_settings(sup, gpu, on_gpu_fault))
     # --- end gpu
-    from qwen4090 import httpapi
-
-    api = httpapi.start(sup, log, sources=[watch])  # /status, /metrics, /livez, /readyz
+    api = start_status(sup, log, sources=[watch])  # /status, /metrics, /livez, /readyz
+    sup.p.listeners.append(reload_fanout(sup, gpu, api, on_gpu_fault))
     signals.install(sup.deliver, wake)
     try:
         while not sup.done:
@@ -237,10 +234,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
-def live_settings(sup: Any, gpu: Any, on_gpu_fault: Callable[[str], None]
-                  ) -> Callable[[str, dict[str, Any]], None]:
-    """A supervisor listener that applies a reloaded [log] and [gpu] to what cmd_run set up
-    from them (the supervisor itself reads every other setting from its current config)."""
+def start_status(sup: Any, log: Any, sources: Sequence[httpapi.StatusSource] = ()
+                 ) -> httpapi.StatusApi:
+    """The status endpoint, serving on ``[status]`` host:port if enabled and free: its Telemetry
+    listens to the supervisor, and each source adds facts to /status and families to /metrics
+    (e.g. timeline.TimelineWatch).  ``sup`` is the Supervisor."""
+    telemetry = httpapi.Telemetry(clock=sup.p.clock, wall=sup.p.wall)
+    sup.p.listeners.append(telemetry)
+
+    def document() -> dict[str, Any]:
+        doc = httpapi.status_document(sup, telemetry)
+        for source in sources:
+            doc.update(source.status())
+        return doc
+
+    api = httpapi.StatusApi(document, clock=sup.p.clock, log=log)
+    for source in sources:
+        source.register(api.registry)
+    api.serve(sup.cfg.status)
+    return api
+
+
+def reload_fanout(sup: Any, gpu: Any, api: httpapi.StatusApi,
+                  on_gpu_fault: Callable[[str], None]) -> Callable[[str, dict[str, Any]], None]:
+    """A supervisor listener that redoes, after a reload, what cmd_run set up from a changed
+    section: logging ([log]), the GPU watch ([gpu]) and the status endpoint ([status]).  The
+    supervisor itself reads every other setting from its current config."""
     def on_event(event: str, fields: dict[str, Any]) -> None:
         if event != "reloaded":
             return
@@ -255,6 +274,9 @@ def live_settings(sup: Any, gpu: Any, on_gpu_fault: Callable[[str], None]
                          running=gpu.watch is not None,
                          sample_interval=cfg.gpu.sample_interval,
                          temperature_warn=cfg.gpu.temperature_warn)
+        if "status" in changed:
+            api.stop()
+            api.serve(cfg.status)
     return on_event
 
 

@@ -21,7 +21,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import (
@@ -38,7 +38,7 @@ from prometheus_client.core import (
 )
 
 from qwen4090 import __version__
-from qwen4090.config import Config, as_dict
+from qwen4090.config import Config, StatusConfig, as_dict
 from qwen4090.policy import Cause
 from qwen4090.probes.http import MetricsResult
 from qwen4090.redact import safe_error
@@ -84,7 +84,6 @@ class Telemetry:
         self.started_at = clock()
         self.gpu: dict[str, Any] | None = None
         self.gpu_at: float | None = None  # monotonic time of the GPU sample
-        self.reload_handlers: list[Callable[[list[str]], None]] = []
 
     def __call__(self, event: str, fields: dict[str, Any]) -> None:
         now = self.clock()
@@ -105,9 +104,6 @@ class Telemetry:
             elif event == "gpu_sample":
                 self.gpu = dict(fields)
                 self.gpu_at = now
-        if event == "reloaded":
-            for handler in self.reload_handlers:
-                handler(list(fields.get("changed", [])))
 
     def counts(self) -> dict[str, Any]:
         with self._lock:
@@ -435,6 +431,22 @@ class StatusApi:
             "poll_interval": 0.5}, name="qwen4090-status", daemon=True)
         self.thread.start()
 
+    def serve(self, s: StatusConfig) -> None:
+        """Start on ``[status]`` host:port if enabled.  A port we cannot bind is logged, not
+        fatal: serving the model matters more than showing it."""
+        log = self.log
+        assert log is not None, "serve() logs what it did: pass StatusApi a log"
+        if not s.enabled:
+            log.info("status_endpoint_off")
+            return
+        try:
+            self.start(s.host, s.port)
+        except OSError as e:
+            log.error("status_endpoint_failed", host=s.host, port=s.port,
+                      error=e.strerror or str(e))
+            return
+        log.info("status_endpoint", url=f"http://{_hostport(s.host, s.port)}/")
+
     @property
     def address(self) -> tuple[str, int]:
         assert self.server is not None
@@ -500,45 +512,3 @@ class StatusSource(Protocol):
 
     def status(self) -> dict[str, Any]: ...
     def register(self, registry: CollectorRegistry) -> None: ...
-
-
-def start(sup: Any, log: Any, sources: Sequence[StatusSource] = ()) -> StatusApi:
-    """Serve the supervisor's status on ``[status]`` host:port (if enabled and free).
-
-    ``sup`` is the Supervisor: its listeners get our Telemetry, and a reload that changes
-    ``[status]`` moves the endpoint.  A port we cannot bind is logged, not fatal: serving the
-    model matters more than showing it.
-    """
-    telemetry = Telemetry(clock=sup.p.clock, wall=sup.p.wall)
-    sup.p.listeners.append(telemetry)
-    def document() -> dict[str, Any]:
-        doc = status_document(sup, telemetry)
-        for source in sources:  # recovery: the timelines (timeline.py)
-            doc.update(source.status())
-        return doc
-
-    api = StatusApi(document, clock=sup.p.clock, log=log)
-    for source in sources:
-        source.register(api.registry)
-
-    def bind() -> None:
-        s = sup.cfg.status
-        if not s.enabled:
-            log.info("status_endpoint_off")
-            return
-        try:
-            api.start(s.host, s.port)
-        except OSError as e:
-            log.error("status_endpoint_failed", host=s.host, port=s.port,
-                      error=e.strerror or str(e))
-            return
-        log.info("status_endpoint", url=f"http://{_hostport(s.host, s.port)}/")
-
-    def on_reload(changed: list[str]) -> None:
-        if "status" in changed:
-            api.stop()
-            bind()
-
-    telemetry.reload_handlers.append(on_reload)
-    bind()
-    return api

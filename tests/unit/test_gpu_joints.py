@@ -24,7 +24,7 @@ from tests.support.clients import http_get as get
 from tests.support.fakes import QWEN3_14B, FakeChild, Log
 from tests.support.runtime import free_port
 
-from qwen4090 import cli, gpu, httpapi
+from qwen4090 import cli, gpu
 from qwen4090.config import Config
 from qwen4090.policy import Cause
 from qwen4090.preflight import PreflightResult
@@ -164,7 +164,7 @@ def served(tmp_path: Path, debian_python: None) -> Iterator[tuple[Harness, int, 
                      "status": {"enabled": True, "host": "127.0.0.1", "port": port},
                      "gpu": {"sample_interval": 3600.0}})
     h.run_until(State.READY)
-    api = httpapi.start(h.sup, h.log)
+    api = cli.start_status(h.sup, h.log)
     parts = gpu.GpuParts(h.log, env={})
     try:
         yield h, port, parts

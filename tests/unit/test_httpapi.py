@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tests.support.fakes import Clock, Log
 
-from qwen4090 import httpapi
+from qwen4090 import cli, httpapi
 from qwen4090.config import Config, from_dict
 from qwen4090.httpapi import StatusApi, Telemetry, metric_families, render_html, status_document
 from qwen4090.probes.http import MetricsResult
@@ -216,7 +216,7 @@ def test_start_binds_from_config_and_a_busy_port_is_not_fatal() -> None:
         sup = FakeSup(from_dict({"status": {"port": busy}}))
         sup.p = Parts()  # type: ignore[attr-defined]
         log = Log()
-        a = httpapi.start(sup, log)
+        a = cli.start_status(sup, log)
         assert a.server is None
         assert log.names()[-1] == "status_endpoint_failed"
         assert len(sup.p.listeners) == 1  # type: ignore[attr-defined]
@@ -227,5 +227,5 @@ def test_start_disabled() -> None:
     sup = FakeSup(from_dict({"status": {"enabled": False}}))
     sup.p = Parts()  # type: ignore[attr-defined]
     log = Log()
-    assert httpapi.start(sup, log).server is None
+    assert cli.start_status(sup, log).server is None
     assert log.names()[-1] == "status_endpoint_off"

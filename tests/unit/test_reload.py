@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import structlog
-from test_gpu_joints import CUDA_OOM, FINAL, debian_python, fake_venv  # noqa: F401
+from test_gpu_joints import CUDA_OOM, FINAL, debian_python, fake_venv, free_port  # noqa: F401
 from test_gpu_parts import GpuHolding, GpuLadder
 from test_supervisor import Harness
 
-from qwen4090 import cli, gpu, logs
+from qwen4090 import cli, gpu, httpapi, logs
 from qwen4090.config import ConfigError, from_dict
 from qwen4090.policy import Cause
 from qwen4090.states import State
@@ -180,13 +180,18 @@ def test_ladder_switched_off_by_a_reload_applies_to_the_next_oom() -> None:
     assert len(calls) == 1 and "oom_not_stepped_down" in h.log.names()
 
 
-def test_live_settings_reconfigure_logging(capsys: pytest.CaptureFixture[str]) -> None:
+def unserved(h: Harness) -> httpapi.StatusApi:
+    """A status endpoint that is not listening (the reloads of these tests leave [status])."""
+    return httpapi.StatusApi(lambda: {}, clock=h.clock, log=h.log)
+
+
+def test_reload_fanout_reconfigures_logging(capsys: pytest.CaptureFixture[str]) -> None:
     h = Harness(raw={"log": {"level": "info", "format": "keyvalue"}})
     logs.setup("keyvalue", "info")
     try:
         log = logs.get_logger(source="vllm")  # made before the reload, like cli's loggers
-        h.sup.p.listeners.append(cli.live_settings(h.sup, gpu.GpuParts(h.log, env={}),
-                                                   lambda d: None))
+        h.sup.p.listeners.append(cli.reload_fanout(h.sup, gpu.GpuParts(h.log, env={}),
+                                                   unserved(h), lambda d: None))
         h.run_until(State.READY)
         log.debug("before_reload")
         hup(h, cfg_with(log={"level": "debug", "format": "json"}))
@@ -201,12 +206,12 @@ def test_live_settings_reconfigure_logging(capsys: pytest.CaptureFixture[str]) -
 
 
 @pytest.mark.usefixtures("debian_python")
-def test_live_settings_restart_the_gpu_watch(tmp_path: Path) -> None:
+def test_reload_fanout_restarts_the_gpu_watch(tmp_path: Path) -> None:
     py = fake_venv(tmp_path / "venv")
     h = Harness(raw={"vllm": {"command": [str(py)]}, "gpu": {"sample_interval": 3600.0}})
     parts = gpu.GpuParts(h.log, env={})
     parts.start_watch(h.sup.cfg, h.sup.report_gpu_fault, h.sup.report_gpu_sample)
-    h.sup.p.listeners.append(cli.live_settings(h.sup, parts, h.sup.report_gpu_fault))
+    h.sup.p.listeners.append(cli.reload_fanout(h.sup, parts, unserved(h), h.sup.report_gpu_fault))
     try:
         first = parts.watch
         assert first is not None and first.interval == 3600.0
@@ -220,3 +225,43 @@ def test_live_settings_restart_the_gpu_watch(tmp_path: Path) -> None:
         assert parts.watch is None
     finally:
         parts.stop_watch()
+
+
+def _status_answers(port: int) -> bool:
+    import http.client
+
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        c.request("GET", "/livez")
+        return c.getresponse().status == 200
+    except ConnectionRefusedError:
+        return False
+    finally:
+        c.close()
+
+
+def test_reload_fanout_moves_the_status_endpoint() -> None:
+    """[status] changed: the endpoint cmd_run started moves to the new address; a reload of
+    another section leaves it alone."""
+    first, second = free_port(), free_port()
+    h = Harness(raw={"status": {"enabled": True, "host": "127.0.0.1", "port": first}})
+    api = cli.start_status(h.sup, h.log)
+    h.sup.p.listeners.append(cli.reload_fanout(h.sup, gpu.GpuParts(h.log, env={}), api,
+                                               lambda d: None))
+    try:
+        assert api.address == ("127.0.0.1", first) and _status_answers(first)
+        h.run_until(State.READY)
+        status = {"enabled": True, "host": "127.0.0.1", "port": first}
+        server = api.server
+        hup(h, cfg_with(status=status, watch={"hang_timeout": 7.0}))
+        assert api.server is server  # [watch] only: the endpoint stays as it is
+        hup(h, cfg_with(status={**status, "port": second}))
+        assert api.address == ("127.0.0.1", second) and _status_answers(second)
+        assert not _status_answers(first)
+        assert [kw["url"] for _, e, kw in h.log.events if e == "status_endpoint"] == [
+            f"http://127.0.0.1:{first}/", f"http://127.0.0.1:{second}/"]
+        hup(h, cfg_with(status={**status, "enabled": False}))
+        assert api.server is None and not _status_answers(second)
+        assert "status_endpoint_off" in h.log.names()
+    finally:
+        api.stop()

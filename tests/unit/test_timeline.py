@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from tests.support.fakes import Clock, Log
 
-from qwen4090 import httpapi
+from qwen4090 import cli
 from qwen4090.config import from_dict
 from qwen4090.timeline import MARKS, StartupTimeline, TimelineWatch, match_line
 
@@ -288,7 +288,7 @@ def test_status_and_metrics_show_the_timelines() -> None:
         port = s.getsockname()[1]
     clock, log = Clock(100.0), Log()
     w = TimelineWatch(log, clock=clock)
-    api = httpapi.start(_Sup(port, clock), log, sources=[w])
+    api = cli.start_status(_Sup(port, clock), log, sources=[w])
     try:
         start(w, clock)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
