@@ -1,4 +1,4 @@
-"""The supervisor: owns the state and the loop; the only code that changes state.
+"""The supervisor owns the daemon's state and its loop: it is the only code that changes state.
 
 The loop is steppable: :meth:`Supervisor.step` takes ``now`` and does one pass of named steps
 (signals, harvest finished probes, reap the child, the current state's step, heartbeat), so
@@ -343,9 +343,9 @@ class Supervisor:
         """SIGHUP: read the config again; a broken one is refused and the old one stays.
 
         Changed ``[vllm]`` settings restart vLLM (controlled, not counted); every other section
-        applies live: the supervisor reads ``self.cfg`` where it uses a setting, and listeners
-        of the ``reloaded`` event redo what was set up from the config at start-up (cli.py:
-        logging, the GPU watch; httpapi: the status endpoint).
+        applies live: the supervisor reads ``self.cfg`` where it uses a setting, and cli.py's
+        listener of the ``reloaded`` event (``reload_fanout``) redoes what was set up from the
+        config at start-up: logging, the GPU watch, the status endpoint.
 
         systemd's reload protocol (sd_notify(3)) is spoken only by a service that was READY:
         before the first READY=1 the unit is still "activating", so a SIGHUP then sends neither
