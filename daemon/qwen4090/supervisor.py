@@ -583,7 +583,8 @@ class Supervisor:
         w = self.cfg.watch
         self.note_stable(now)
         if now >= self.last_poll + w.poll_interval and "poll" not in self.tasks:
-            self.submit(now, "poll", _PollJob(self._probe(), w.health_timeout, self.p.clock))
+            self.submit(now, "poll", _PollJob(self._probe(), w.health_timeout, self.p.clock,
+                                              self._owner_check()))
             self.last_poll = now
         if self.check_poll_in_flight(now):
             return
@@ -650,12 +651,13 @@ class Supervisor:
 
     step_degraded = step_ready
 
-    def on_poll(self, now: float, res: tuple[HealthResult, MetricsResult]) -> None:
+    def on_poll(self, now: float,
+                res: tuple[HealthResult, MetricsResult, PortOwner | None]) -> None:
         if self.state not in states.SERVING_STATES:
             return
-        health, metrics = res
+        health, metrics, owner = res
         w = self.cfg.watch
-        if health.ok and (stranger := self.stranger_on_port()) is not None:
+        if health.ok and (stranger := self.stranger_on_port(owner)) is not None:
             health = HealthResult(False, health.status, health.seconds,
                                   f"port answered by {stranger}, not by our vLLM")
         if health.ok and metrics.timed_out:
@@ -923,7 +925,16 @@ class Supervisor:
 
     # --- vLLM's port: ours, or held by someone else (issue 8.2, 8.4; instance.py) -----------
 
-    def stranger_on_port(self) -> str | None:
+    def _owner_check(self) -> Callable[[], PortOwner] | None:
+        """Who listens on vLLM's port, for a probe job to find out on its own thread: under
+        load the walk of the group's sockets took seconds, and in the loop it blocked every
+        other step (seen: SIGTERM handled late)."""
+        child, v = self.child, self.launch_cfg.vllm
+        if child is None:
+            return None
+        return lambda: self.p.ports.owner(child, v.host, v.port)
+
+    def stranger_on_port(self, owner: PortOwner | None = None) -> str | None:
         """Who listens on vLLM's port when it is not our child's group (None: ours).
 
         A 200 from anyone else (a stray server, another supervisor's vLLM) must never count
@@ -934,7 +945,8 @@ class Supervisor:
         if child is None or child.poll() is not None:
             return None
         v = self.launch_cfg.vllm
-        owner = self.p.ports.owner(child, v.host, v.port)
+        if owner is None:  # not looked up by a job: now (the loading check, once a second)
+            owner = self.p.ports.owner(child, v.host, v.port)
         if owner.ours is not False:
             self.port_wait.reset()
             return None
@@ -1164,18 +1176,23 @@ class _PollJob:
     """/health then /metrics; ``health`` is set as soon as the first answer is in, so the loop
     can tell an overdue /health from a slow /metrics while the job still runs."""
 
-    def __init__(self, probe: ProbeLike, timeout: float, clock: Callable[[], float]) -> None:
+    def __init__(self, probe: ProbeLike, timeout: float, clock: Callable[[], float],
+                 owner: Callable[[], PortOwner] | None = None) -> None:
         self.probe = probe
         self.timeout = timeout
         self.clock = clock
+        self.owner = owner
         self.health: HealthResult | None = None
         self.metrics_sent: float | None = None
 
-    def __call__(self) -> tuple[HealthResult, MetricsResult]:
+    def __call__(self) -> tuple[HealthResult, MetricsResult, PortOwner | None]:
         health = self.probe.health(self.timeout)
         self.metrics_sent = self.clock()  # before ``health``: the loop reads them unlocked
         self.health = health
-        return health, self.probe.metrics(self.timeout)
+        metrics = self.probe.metrics(self.timeout)
+        # whose 200 that was: only a 200 needs an owner
+        owner = self.owner() if health.ok and self.owner is not None else None
+        return health, metrics, owner
 
 
 def _canary_job(probe: ProbeLike, timeout: float, metrics_timeout: float

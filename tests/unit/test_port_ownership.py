@@ -229,3 +229,36 @@ def test_vllm_dying_of_a_held_port_again_and_again_is_bounded() -> None:
     assert h.sup.state == State.FAILED and h.sup.exit_code == 75
     causes = [r.cause for r in h.sup.history]
     assert causes[0] == "port_held" and "preflight" in causes
+
+
+def test_while_ready_the_owner_of_the_port_is_looked_up_by_the_poll_job() -> None:
+    """Not in the loop: under load the walk of the group's sockets took seconds there, and
+    every other step (a SIGTERM, the drain deadline) waited for it."""
+    import threading
+    from concurrent.futures import Future
+
+    class OwnThread:  # runs each job on a thread of its own, to completion
+        def submit(self, fn: Any, /, *args: Any) -> Future[Any]:
+            f: Future[Any] = Future()
+            t = threading.Thread(target=lambda: f.set_result(fn(*args)))
+            t.start()
+            t.join()
+            return f
+
+    h = Harness({"budget_failures": 3})
+    h.step(n=10)
+    assert h.sup.state == State.READY
+    h.sup.p.executor = OwnThread()
+    seen: list[str] = []
+    original = h.ports.owner
+
+    def owner(child: Any, host: str, port: int) -> PortOwner:
+        seen.append(threading.current_thread().name)
+        return original(child, host, port)
+
+    h.ports.owner = owner  # type: ignore[method-assign]
+    h.step(dt=1.0, n=4)
+    assert seen and threading.main_thread().name not in seen
+    h.ports.ours = False  # and a stranger found there still fails /health
+    h.step(dt=1.0, n=2)
+    assert h.sup.state == State.DEGRADED
