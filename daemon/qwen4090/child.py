@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,14 @@ import psutil
 from qwen4090 import oomscore
 from qwen4090.config import AUTO, Config, VllmConfig, read_secret
 from qwen4090.notify import child_environment
-from qwen4090.policy import oom_evidence
+from qwen4090.policy import LEVELS, oom_evidence
+from qwen4090.vllmfacts import (
+    ENGINE_PROC,
+    UVICORN,
+    VllmLine,
+    is_probe_access,
+    parse_vllm_line,
+)
 
 # Environment we always give vLLM unless the config's [vllm.env] says otherwise.
 BASE_ENV = {
@@ -87,6 +94,39 @@ def render_env(v: VllmConfig, parent: Mapping[str, str], api_key: str | None) ->
 
 
 LineSink = Callable[[str, str], None]  # (stream, line)
+
+
+class LineRouter:
+    """Where each of vLLM's output lines goes (a LineSink; runs on the child's reader threads).
+
+    First to every ``clue`` sink, unfiltered (the timeline: any line may mark a phase or be
+    the first sign of a fault), then to ``log`` at vLLM's own level for the line — except the
+    access lines of our own probes (noise), and lines below ``level()``, the current
+    log.vllm_level (asked per line, so a reload applies at once).
+    """
+
+    def __init__(self, log: Any, level: Callable[[], str],
+                 clues: Sequence[LineSink] = ()) -> None:
+        self.log = log
+        self.level = level
+        self.clues = list(clues)
+
+    def __call__(self, stream: str, line: str) -> None:
+        for clue in self.clues:
+            clue(stream, line)
+        shown = self.shown(stream, line)
+        if shown is not None:
+            fields = {"proc": shown.proc} if shown.proc else {}
+            getattr(self.log, shown.level)(shown.message, **fields)
+
+    def shown(self, stream: str, line: str) -> VllmLine | None:
+        """What our log shows of this line (None: nothing)."""
+        parsed = parse_vllm_line(line, stream)
+        if parsed.proc == UVICORN and is_probe_access(parsed.message):
+            return None  # vLLM's access line for one of our own probes
+        if LEVELS[parsed.level] < LEVELS[self.level()]:
+            return None
+        return parsed
 
 
 class VllmChild:
@@ -214,7 +254,7 @@ class VllmChild:
         for pid in self.group_members():
             with contextlib.suppress(psutil.Error):
                 p = psutil.Process(pid)
-                if "EngineCore" in p.name() or any("EngineCore" in a for a in p.cmdline()):
+                if ENGINE_PROC in p.name() or any(ENGINE_PROC in a for a in p.cmdline()):
                     out.append(pid)
         return out
 

