@@ -7,6 +7,7 @@ facts they observed, so every rule is tested with plain values.
 from __future__ import annotations
 
 import enum
+import math
 import random
 import signal
 from collections import deque
@@ -225,16 +226,32 @@ class Progress:
         return self.running + self.waiting > 0
 
 
+@dataclass(frozen=True)
+class HangVerdict:
+    stalled: float  # seconds the busy engine has made no progress (0: it moved, or is idle)
+    hung: bool  # stalled for hang_timeout: restart it
+    stalling: bool  # stalled for STALL_POLLS polls: DEGRADED, not a hang yet
+
+
 class HangDetector:
     """A hang is: requests running or waiting, and the progress counter flat for hang_timeout.
 
     vLLM's /health answers 200 while the EngineCore is stopped, so progress is the only truth.
+    Flat for ``STALL_POLLS`` polls (one flat sample can be a long prefill step between two
+    counter updates) is only "stalling": DEGRADED, still served.
     """
 
-    def __init__(self, hang_timeout: float) -> None:
+    STALL_POLLS = 2
+
+    def __init__(self, hang_timeout: float, poll_interval: float = math.inf) -> None:
         self.hang_timeout = hang_timeout
+        self.poll_interval = poll_interval
         self._last_tokens: float | None = None
         self._since: float | None = None  # when tokens last changed or the engine was idle
+
+    def reconfigure(self, hang_timeout: float, poll_interval: float) -> None:
+        """A reload's [watch] (the stall being timed goes on)."""
+        self.hang_timeout, self.poll_interval = hang_timeout, poll_interval
 
     def observe(self, now: float, p: Progress) -> float:
         """Record a sample; return how many seconds the busy engine has made no progress."""
@@ -245,8 +262,14 @@ class HangDetector:
             return 0.0
         return now - self._since
 
+    def judge(self, now: float, p: Progress) -> HangVerdict:
+        """Record a sample and say what the stall means."""
+        stalled = self.observe(now, p)
+        return HangVerdict(stalled, stalled >= self.hang_timeout,
+                           stalled >= self.STALL_POLLS * self.poll_interval)
+
     def hung(self, now: float, p: Progress) -> bool:
-        return self.observe(now, p) >= self.hang_timeout
+        return self.judge(now, p).hung
 
     def reset(self) -> None:
         self._last_tokens = None

@@ -228,7 +228,7 @@ class Supervisor:
         self.gpu_samples: deque[dict[str, Any]] = deque(maxlen=1)  # NVML sample thread: latest
         self.warmup_progress = ""
         self.last_warmup_step = now
-        self.hang = HangDetector(cfg.watch.hang_timeout)
+        self.hang = HangDetector(cfg.watch.hang_timeout, cfg.watch.poll_interval)
         self.unhealthy_since: float | None = None
         self.last_metrics: MetricsResult | None = None
         self.next_poll = now  # loading and draining
@@ -364,7 +364,7 @@ class Supervisor:
         old = self.cfg
         self.cfg = new
         self.budget.reconfigure(new.restart.budget_failures, new.restart.budget_window)
-        self.hang.hang_timeout = new.watch.hang_timeout
+        self.hang.reconfigure(new.watch.hang_timeout, new.watch.poll_interval)
         self.log.info("reloaded", changed=",".join(changed) or "nothing",
                       files=",".join(new.sources))
         self.emit("reloaded", {"changed": changed})
@@ -650,7 +650,6 @@ class Supervisor:
         if self.state not in states.SERVING_STATES:
             return
         health, metrics, owner = res
-        w = self.cfg.watch
         if health.ok and (stranger := self.stranger_on_port(owner)) is not None:
             health = HealthResult(False, health.status, health.seconds,
                                   f"port answered by {stranger}, not by our vLLM")
@@ -669,8 +668,9 @@ class Supervisor:
         if metrics.ok:
             self.last_metrics = metrics
             prog = Progress(metrics.get(RUNNING), metrics.get(WAITING), _progress_of(metrics))
-            stalled = self.hang.observe(now, prog)
-            if stalled >= w.hang_timeout:
+            hang = self.hang.judge(now, prog)
+            stalled = hang.stalled
+            if hang.hung:
                 self.log.error("hang_detected", stalled_seconds=round(stalled, 1),
                                running=prog.running, waiting=prog.waiting)
                 self.emit("hang", {"stalled": stalled})
@@ -679,7 +679,7 @@ class Supervisor:
                                                        f"progress for {stalled:.0f}s", True),
                           requested=True)
                 return
-            if self.state == S.READY and stalled >= 2 * w.poll_interval:
+            if self.state == S.READY and hang.stalling:
                 self.transition(now, S.DEGRADED, f"no token progress for {stalled:.0f}s")
                 return
         if self.state == S.DEGRADED and health.ok and not metrics.timed_out and stalled == 0:

@@ -11,6 +11,7 @@ from qwen4090.policy import (
     Cause,
     DrainSample,
     HangDetector,
+    HangVerdict,
     Progress,
     RestartBudget,
     backoff_delay,
@@ -140,6 +141,22 @@ def test_hang_needs_busy_engine_and_flat_counter() -> None:
     assert h.observe(201, Progress(0, 2, 101)) == 1
     assert not h.hung(209, Progress(0, 2, 101))
     assert h.hung(210, Progress(0, 2, 101))
+
+
+def test_hang_verdict_owns_both_thresholds() -> None:
+    """The supervisor's two thresholds (restart at hang_timeout, DEGRADED after two flat
+    polls) are the detector's, and a reload's [watch] moves them without losing the stall."""
+    h = HangDetector(10, poll_interval=2)
+    assert h.judge(0, Progress(1, 0, 5)) == HangVerdict(0.0, hung=False, stalling=False)
+    assert h.judge(3, Progress(1, 0, 5)) == HangVerdict(3.0, hung=False, stalling=False)
+    assert h.judge(4, Progress(1, 0, 5)) == HangVerdict(4.0, hung=False, stalling=True)
+    assert h.judge(10, Progress(1, 0, 5)) == HangVerdict(10.0, hung=True, stalling=True)
+    h.reconfigure(hang_timeout=20, poll_interval=10)
+    assert h.judge(11, Progress(1, 0, 5)) == HangVerdict(11.0, hung=False, stalling=False)
+    assert h.judge(20, Progress(1, 0, 5)).hung
+    assert h.judge(21, Progress(1, 0, 6)) == HangVerdict(0.0, hung=False, stalling=False)
+    # without a poll interval it never calls a stall "stalling" (the plain detector)
+    assert not HangDetector(10).judge(0, Progress(1, 0, 5)).stalling
 
 
 @pytest.mark.parametrize(
