@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,9 +56,14 @@ def test_the_probe_marks_its_completions() -> None:
     assert paths == [f"/v1/completions?from={PROBE_MARKER}"]
 
 
-def test_cli_on_line_drops_probe_access_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_on_line_drops_probe_access_lines(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
     """The re-emission path in `run`: capture what on_line logs for a few lines."""
     from qwen4090 import cli
+
+    # our own instance lock: the default one in /var/lib/qwen4090 is shared with every other
+    # test run on this machine (a concurrent run held it: `run` refused, no on_line)
+    monkeypatch.setenv("RUNTIME_DIRECTORY", str(tmp_path))
 
     logged: list[str] = []
 
