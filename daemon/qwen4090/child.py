@@ -11,7 +11,6 @@ import contextlib
 import ctypes
 import ipaddress
 import os
-import signal
 import subprocess
 import threading
 import time
@@ -182,17 +181,12 @@ class VllmChild:
         with self._lock:
             return list(self.tail)
 
-    def flush_output(self, timeout: float = 2.0) -> None:
-        """Wait (bounded) until the readers have seen the end of vLLM's output.
-
-        The supervisor's loop calls it with 0 only: a surviving EngineCore holds the pipes
-        open after the API server died (measured: ~4 s), and the loop must not wait for it.
-        """
-        for t in self._readers:
-            t.join(timeout)
-
     def output_closed(self) -> bool:
-        """Both readers have seen the end of vLLM's output (every writer is gone)."""
+        """Both readers have seen the end of vLLM's output (every writer is gone).
+
+        Asked, never waited for: a surviving EngineCore holds the pipes open after the API
+        server died (measured: ~4 s), and the supervisor's loop must not block on it.
+        """
         return not any(t.is_alive() for t in self._readers)
 
     def client_connections(self, port: int) -> int | None:
@@ -400,7 +394,3 @@ def become_subreaper() -> bool:
         return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
-
-
-def group_signal_name(sig: int) -> str:
-    return signal.Signals(sig).name

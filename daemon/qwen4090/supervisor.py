@@ -78,7 +78,6 @@ class ChildLike(Protocol):
 
     def poll(self) -> int | None: ...
     def tail_lines(self) -> list[str]: ...
-    def flush_output(self, timeout: float = ...) -> None: ...
     def output_closed(self) -> bool: ...
     def signal_group(self, sig: int) -> bool: ...
     def group_alive(self) -> bool: ...
@@ -199,7 +198,6 @@ class Supervisor:
         self.budget = RestartBudget(cfg.restart.budget_failures, cfg.restart.budget_window)
         self.consecutive = 0
         self.failure: ExitVerdict | None = None
-        self.requested: Cause | None = None  # why we are stopping the child ourselves
         self.restart_at: float | None = None
         self.kill_at: float | None = None
         self.killed_at: float | None = None
@@ -371,8 +369,7 @@ class Supervisor:
         if "vllm" in changed and self.state in states.CHILD_STATES:
             self.log.warning("restart_for_reload", reason="[vllm] settings changed",
                              old_argv_len=len(old.vllm.command))
-            self.fail(now, ExitVerdict(Cause.RELOAD, "[vllm] settings changed", True),
-                      requested=True)
+            self.fail(now, ExitVerdict(Cause.RELOAD, "[vllm] settings changed", True))
         if announce:  # READY=1 ends the reload (the restart, if any, goes on)
             self.p.notifier.ready(self.status_line(now))
 
@@ -470,7 +467,6 @@ class Supervisor:
         self.probe = self.p.make_probe(launch)
         self.hang.reset()
         self.unhealthy_since = None
-        self.requested = None
         self.failure = None
         self.exit_rc = None
         self.exit_oom = None
@@ -497,8 +493,7 @@ class Supervisor:
         limit = self.cfg.watch.load_timeout
         if now - self.spawned_at > limit:
             self.fail(now, ExitVerdict(Cause.LOAD_TIMEOUT, f"/health not 200 within {limit:g}s "
-                                                           "(watch.load_timeout)", True),
-                      requested=True)
+                                                           "(watch.load_timeout)", True))
             return True
         return False
 
@@ -532,8 +527,7 @@ class Supervisor:
         w = self.cfg.warmup
         limit = w.timeout + w.request_timeout
         if "warmup" in self.tasks and now - self.state_since > limit:
-            self.fail(now, ExitVerdict(Cause.WARMUP_FAILED, f"warmup overran {limit:g}s", True),
-                      requested=True)
+            self.fail(now, ExitVerdict(Cause.WARMUP_FAILED, f"warmup overran {limit:g}s", True))
 
     def on_warmup(self, now: float, res: WarmupResult) -> None:
         if self.state != S.WARMING:
@@ -541,7 +535,7 @@ class Supervisor:
         self.warmup = res
         if not res.ok:
             self.log.error("warmup_failed", error=res.error, seconds=round(res.seconds, 1))
-            self.fail(now, ExitVerdict(Cause.WARMUP_FAILED, res.error, True), requested=True)
+            self.fail(now, ExitVerdict(Cause.WARMUP_FAILED, res.error, True))
             return
         self.log.info("warmup_finished", seconds=round(res.seconds, 2), table=res.table(),
                       skipped="; ".join(res.skipped) or "none")
@@ -596,7 +590,7 @@ class Supervisor:
             latest = _progress_of(self.last_metrics) if self.last_metrics else None
             stuck = f"canary request stuck for {now - canary.started:.0f}s"
             if canary_counts(False, True, self.canary_base, latest):
-                self.fail(now, ExitVerdict(Cause.CANARY, stuck, True), requested=True)
+                self.fail(now, ExitVerdict(Cause.CANARY, stuck, True))
                 return
             if self.canary_stuck_noted != canary.started:
                 self.canary_stuck_noted = canary.started
@@ -638,8 +632,7 @@ class Supervisor:
         if now - self.unhealthy_since >= w.unhealthy_timeout:
             self.fail(now, ExitVerdict(Cause.UNHEALTHY, f"/health failing for "
                                                         f"{now - self.unhealthy_since:.0f}s: "
-                                                        f"{error}", True),
-                      requested=True)
+                                                        f"{error}", True))
             return True
         return False
 
@@ -676,8 +669,7 @@ class Supervisor:
                 self.emit("hang", {"stalled": stalled})
                 self.fail(now, ExitVerdict(Cause.HANG, f"{prog.running:g} running, "
                                                        f"{prog.waiting:g} waiting, no token "
-                                                       f"progress for {stalled:.0f}s", True),
-                          requested=True)
+                                                       f"progress for {stalled:.0f}s", True))
                 return
             if self.state == S.READY and hang.stalling:
                 self.transition(now, S.DEGRADED, f"no token progress for {stalled:.0f}s")
@@ -701,8 +693,7 @@ class Supervisor:
                              verdict="tokens moving: busy, not hung")
             return
         self.log.error("canary_failed", error=result.error, tokens_before=b, tokens_after=a)
-        self.fail(now, ExitVerdict(Cause.CANARY, f"canary: {result.error}", True),
-                  requested=True)
+        self.fail(now, ExitVerdict(Cause.CANARY, f"canary: {result.error}", True))
 
     def step_restarting(self, now: float) -> None:
         if self.child is not None:
@@ -733,7 +724,9 @@ class Supervisor:
                                  detail=final.detail, was=self.failure.cause.value)
                 self.failure = final
             return
-        if self.exit_rc is None or self.requested is not None or self.failure is None \
+        # exit_rc is set only by reap, for an exit vLLM chose itself: a child we stopped has
+        # none, since reap does not run once we left the child's states.
+        if self.exit_rc is None or self.failure is None \
                 or self.failure.cause in (Cause.GPU_FATAL, Cause.PORT_HELD, Cause.PREFLIGHT):
             return  # judged already (a held port's wait must not be judged twice)
         final = self.port_verdict(now, classify_exit(self.exit_rc, self.exit_tail,
@@ -854,7 +847,7 @@ class Supervisor:
             elif self.child is None:
                 self.give_up(now, EX_GPU, f"{v.cause.value}: {v.detail}")
             else:
-                self.fail(now, v, requested=True)
+                self.fail(now, v)
 
     def step_stopping(self, now: float) -> None:
         if self.child is None:
@@ -999,14 +992,13 @@ class Supervisor:
 
     # --- failure and stopping the child ----------------------------------------------------
 
-    def fail(self, now: float, verdict: ExitVerdict, requested: bool = False) -> None:
+    def fail(self, now: float, verdict: ExitVerdict) -> None:
         """Leave the running states for RESTARTING: stop the group, then decide."""
         if self.state in (S.RESTARTING, S.STOPPING) or self.done:
             return
         # A failure found in this step's harvest comes before step_ready's own check.
         self.note_stable(now)
         self.failure = verdict
-        self.requested = verdict.cause if requested else None
         level = self.log.info if verdict.cause in NOT_FAILURES else self.log.error
         level("vllm_failed", cause=verdict.cause.value, detail=verdict.detail,
               pid=self.child.pid if self.child else None)

@@ -429,6 +429,21 @@ def test_hang_restart_continues_the_group_and_kills_without_term_timeout() -> No
     assert h.sup.gone_at - term <= 2.0 + 0.5
 
 
+def test_a_restart_we_asked_for_keeps_its_cause_whatever_the_tail_says() -> None:
+    """Only an exit vLLM chose itself is judged again from its last lines (reclassify_exit):
+    the SIGTERM we sent for a hang makes vLLM print its own errors on the way down."""
+    h = Harness()
+    h.run_until(State.READY)
+    stopped = h.child
+    h.probe.running, h.probe.tokens = 1.0, 50.0
+    h.run_until(State.RESTARTING)
+    stopped.tail = ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB"]
+    h.run_until(State.PREFLIGHT, dt=0.25)
+    assert h.sup.failure is not None and h.sup.failure.cause is Cause.HANG
+    assert "exit_classified" not in h.log.names()
+    assert h.sup.history[-1].cause == Cause.HANG.value
+
+
 def test_second_sigterm_skips_drain() -> None:
     h = Harness()
     h.run_until(State.READY)
