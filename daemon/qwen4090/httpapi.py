@@ -37,7 +37,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from qwen4090 import __version__
+from qwen4090 import __version__, vllmfacts
 from qwen4090.config import Config, StatusConfig, as_dict
 from qwen4090.policy import Cause
 from qwen4090.probes.http import MetricsResult
@@ -47,10 +47,8 @@ from qwen4090.states import State
 # /livez fails when the supervisor's loop has not stepped for this long (it steps every <= 0.5 s).
 LOOP_STALL_SECONDS = 15.0
 # vLLM's gauges and counters worth re-exporting (from the supervisor's own /metrics poll).
-VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
-               "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-VLLM_COUNTERS = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total",
-                 "vllm:request_success_total")
+VLLM_GAUGES = vllmfacts.SHOWN_GAUGES
+VLLM_COUNTERS = vllmfacts.SHOWN_COUNTERS
 # Config values whose names say they are secrets are never shown.
 _SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSW|CREDENTIAL)", re.I)
 
@@ -143,15 +141,13 @@ def status_document(sup: SupervisorLike, telemetry: Telemetry) -> dict[str, Any]
     if gpu is None and isinstance(snap.get("gpu"), dict):
         gpu = snap["gpu"]  # a sampler that reports through the snapshot instead of events
     metrics = sup.last_metrics
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(cfg.vllm.host,
-                                                                      cfg.vllm.host)
     return {
         **snap,
         "ready": snap.get("state") == State.READY.value,
         "state_since": _iso(wall - float(snap.get("state_seconds", 0.0))),
         "supervisor": {"version": __version__, "pid": os.getpid(),
                        "uptime_seconds": round(telemetry.clock() - telemetry.started_at, 1)},
-        "endpoint": f"http://{_hostport(host, cfg.vllm.port)}/v1",
+        "endpoint": f"{vllmfacts.local_url(cfg.vllm.host, cfg.vllm.port)}/v1",
         **counts,
         "gpu": gpu,
         "vllm_metrics": None if metrics is None or not metrics.ok else {
@@ -172,10 +168,6 @@ def _snapshot(sup: SupervisorLike) -> dict[str, Any]:
 
 def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
-
-
-def _hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # --- /metrics -------------------------------------------------------------------------------
@@ -445,7 +437,7 @@ class StatusApi:
             log.error("status_endpoint_failed", host=s.host, port=s.port,
                       error=e.strerror or str(e))
             return
-        log.info("status_endpoint", url=f"http://{_hostport(s.host, s.port)}/")
+        log.info("status_endpoint", url=f"http://{vllmfacts.host_port(s.host, s.port)}/")
 
     @property
     def address(self) -> tuple[str, int]:

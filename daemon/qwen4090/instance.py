@@ -48,13 +48,13 @@ import psutil
 from qwen4090 import learned
 from qwen4090.child import tcp_connections
 from qwen4090.config import Config, ConfigError
+from qwen4090.vllmfacts import WILDCARDS
 
 DEFAULT_RUNTIME_DIR = "/run/qwen4090"
 # psutil's create_time is boot time + start ticks (10 ms); the same process reads the same
 # value, a reused pid is born later.
 CTIME_TOLERANCE = 0.05
 ORPHAN_KILL_WAIT = 10.0  # after SIGKILL, how long we wait for an orphaned group to vanish
-WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 CMDLINE_CLIP = 200
 
 

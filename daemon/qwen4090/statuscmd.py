@@ -17,6 +17,7 @@ from typing import Any
 from qwen4090 import config as config_mod
 from qwen4090.commands import config_arg
 from qwen4090.config import ConfigError, StatusConfig
+from qwen4090.vllmfacts import RUNNING, WAITING, kv_cache_usage, local_host
 
 EXIT_READY = 0
 EXIT_NOT_READY = 1
@@ -55,8 +56,7 @@ def endpoint(args: argparse.Namespace) -> tuple[str, int, str | None]:
         st = config_mod.load(args.config).status
     except ConfigError as e:
         st, note = StatusConfig(), f"cannot read the config ({e}); trying the default endpoint"
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(st.host, st.host)
-    return host, st.port, note
+    return local_host(st.host), st.port, note
 
 
 def fetch(host: str, port: int, timeout: float) -> dict[str, Any]:
@@ -109,9 +109,9 @@ def summary(doc: dict[str, Any], now: float | None = None) -> str:
                      "vLLM (last start)")
     vm = doc.get("vllm_metrics") or {}
     if vm:
-        kv = vm.get("vllm:kv_cache_usage_perc", vm.get("vllm:gpu_cache_usage_perc"))
-        lines.append(f"  load      {vm.get('vllm:num_requests_running', 0):g} running, "
-                     f"{vm.get('vllm:num_requests_waiting', 0):g} waiting"
+        kv = kv_cache_usage(vm)
+        lines.append(f"  load      {vm.get(RUNNING, 0):g} running, "
+                     f"{vm.get(WAITING, 0):g} waiting"
                      + (f", KV cache {kv * 100:.0f}% used" if kv is not None else ""))
     from qwen4090.httpapi import gpu_list
 
