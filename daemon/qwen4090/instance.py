@@ -36,7 +36,6 @@ import pwd
 import re
 import signal
 import socket
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -45,7 +44,7 @@ from typing import Any, Protocol
 
 import psutil
 
-from qwen4090 import learned
+from qwen4090 import atomicfile, learned
 from qwen4090.child import tcp_connections
 from qwen4090.config import Config, ConfigError
 from qwen4090.vllmfacts import WILDCARDS
@@ -503,15 +502,7 @@ class Instance:
     def _write(self, rec: ChildRecord) -> None:
         self.record = rec
         try:
-            fd, tmp = tempfile.mkstemp(prefix=".child.", dir=self.dir)
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                    fh.write(rec.to_json())
-                os.replace(tmp, self.record_path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            atomicfile.write_text(self.record_path, rec.to_json())
         except OSError as e:
             if not self._said_record_failed:
                 self._said_record_failed = True

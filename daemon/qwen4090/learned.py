@@ -13,7 +13,6 @@ import copy
 import dataclasses
 import json
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from qwen4090 import atomicfile
 from qwen4090.config import AUTO, Config, ConfigError, VllmConfig, _check
 
 FILE_NAME = "learned.json"
@@ -128,18 +128,7 @@ class LearnedStore:
 
     def _write(self, data: dict[str, Any]) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".learned.", dir=self.dir)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(data, fh, indent=2, sort_keys=True)
-                fh.write("\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomicfile.write_text(self.path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 
