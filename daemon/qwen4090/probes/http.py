@@ -71,17 +71,20 @@ class VllmProbe:
             h["Authorization"] = f"Bearer {self.api_key}"
         return h
 
+    def _get(self, path: str, timeout: float) -> tuple[int, bytes]:
+        """One GET without credentials (/health and /metrics need none): status and body."""
+        conn = self._conn(timeout)
+        try:
+            conn.request("GET", path, headers=self._headers(False))
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
     def health(self, timeout: float) -> HealthResult:
         start = self.clock()
         try:
-            conn = self._conn(timeout)
-            try:
-                conn.request("GET", "/health", headers=self._headers(False))
-                resp = conn.getresponse()
-                resp.read()
-                status = resp.status
-            finally:
-                conn.close()
+            status, _ = self._get("/health", timeout)
         except Exception as e:  # never raise; e's text may hold a header: _why is safe
             return HealthResult(False, None, self.clock() - start, _why(e, timeout))
         ok = status == 200
@@ -90,14 +93,8 @@ class VllmProbe:
     def metrics(self, timeout: float) -> MetricsResult:
         start = self.clock()
         try:
-            conn = self._conn(timeout)
-            try:
-                conn.request("GET", "/metrics", headers=self._headers(False))
-                resp = conn.getresponse()
-                body = resp.read().decode("utf-8", "replace")
-                status = resp.status
-            finally:
-                conn.close()
+            status, raw = self._get("/metrics", timeout)
+            body = raw.decode("utf-8", "replace")
         except Exception as e:  # never raise; e's text may hold a header: _why is safe
             return MetricsResult(False, {}, self.clock() - start, _why(e, timeout),
                                  timed_out=isinstance(e, (socket.timeout, TimeoutError)))
