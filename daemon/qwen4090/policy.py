@@ -1,7 +1,8 @@
 """Pure decisions: backoff, the crash-loop budget, why vLLM exited, hang verdicts, log levels.
 
 Nothing here does I/O or reads a clock: callers pass ``now`` (monotonic seconds) and the
-facts they observed, so every rule is tested with plain values.
+facts they observed, so every rule is tested with plain values.  vLLM's own texts (its error
+lines, the OOM table) are vllmfacts'; this module only decides what they mean for a restart.
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ def free_memory_gib(line: str) -> tuple[float, float] | None:
 
 # --- start-up lines (timeline.py) ---------------------------------------------------------------
 
-# The marks a start passes (timeline.MARKS has them in order, with our own marks between).
+# The marks a start passes (timeline.MARKS has them in order, with our own marks between):
 # (mark, pattern, which line counts): "first" keeps the first matching line, "last" moves the
 # mark to each later one (loading logs several lines: the last one ends the phase).
 STARTUP_LINES: tuple[tuple[str, re.Pattern[str], str], ...] = (
