@@ -29,6 +29,7 @@ from qwen4090.vllmfacts import (
     ENGINE_PROC,
     UVICORN,
     VllmLine,
+    engine_died,
     is_probe_access,
     parse_vllm_line,
 )
@@ -101,14 +102,17 @@ class LineRouter:
     First to every ``clue`` sink, unfiltered (the timeline: any line may mark a phase or be
     the first sign of a fault), then to ``log`` at vLLM's own level for the line — except the
     access lines of our own probes (noise), and lines below ``level()``, the current
-    log.vllm_level (asked per line, so a reload applies at once).
+    log.vllm_level (asked per line, so a reload applies at once) — and last, a line that says
+    the EngineCore died, to ``engine_dead`` (the supervisor restarts at once).  One router per
+    child: ``engine_dead`` knows which child spoke.
     """
 
-    def __init__(self, log: Any, level: Callable[[], str],
-                 clues: Sequence[LineSink] = ()) -> None:
+    def __init__(self, log: Any, level: Callable[[], str], clues: Sequence[LineSink] = (),
+                 engine_dead: Callable[[str], None] = lambda line: None) -> None:
         self.log = log
         self.level = level
         self.clues = list(clues)
+        self.engine_dead = engine_dead
 
     def __call__(self, stream: str, line: str) -> None:
         for clue in self.clues:
@@ -117,6 +121,8 @@ class LineRouter:
         if shown is not None:
             fields = {"proc": shown.proc} if shown.proc else {}
             getattr(self.log, shown.level)(shown.message, **fields)
+        if engine_died(line):
+            self.engine_dead(line)
 
     def shown(self, stream: str, line: str) -> VllmLine | None:
         """What our log shows of this line (None: nothing)."""

@@ -22,7 +22,6 @@ from qwen4090 import config as config_mod
 from qwen4090.commands import config_arg, config_error
 from qwen4090.config import Config, ConfigError
 from qwen4090.policy import EX_CONFIG, EX_SOFTWARE, EXIT_CODES
-from qwen4090.vllmfacts import engine_died
 
 # --- check-config -----------------------------------------------------------------------------
 
@@ -119,10 +118,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     watch = timeline.TimelineWatch(log)
     # --- end recovery
 
-    # vLLM's lines: every one to the timeline, then to our log (child.LineRouter)
-    on_line = child.LineRouter(
-        vlog, lambda: holder["sup"].cfg.log.vllm_level if "sup" in holder else "info",
-        clues=[watch.on_line])
+    def vllm_level() -> str:
+        return holder["sup"].cfg.log.vllm_level if "sup" in holder else "info"
 
     def make_probe(c: Config) -> VllmProbe:
         return VllmProbe(c.vllm.host, c.vllm.port, c.vllm.served_model_name,
@@ -147,12 +144,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             readahead.start(c.vllm.model, log)
         box: dict[str, Any] = {}  # this child, for its own lines (an old child's may come late)
 
-        def sink(stream: str, line: str) -> None:
-            on_line(stream, line)
-            if engine_died(line) and "sup" in holder:
+        def engine_dead(line: str) -> None:
+            if "sup" in holder:
                 holder["sup"].report_engine_dead(box.get("child"), line)
                 wake.wake()
 
+        # vLLM's lines: every one to the timeline, then our log, then the engine's death
+        sink = child.LineRouter(vlog, vllm_level, clues=[watch.on_line],
+                                engine_dead=engine_dead)
         box["child"] = inst.spawn(c, lambda launch: child.spawn(
             launch, sink, env=caches.cache_environment(os.environ, launch.vllm.env)))
         return box["child"]

@@ -60,11 +60,15 @@ def test_policy_and_ladder_both_call_it_oom(line: str) -> None:
     # Before the one table, "CUDA error: out of memory" was an OOM for the ladder and a crash
     # for policy, and the CPU backend's texts the other way round.
     assert _policy_says_oom(line) and _ladder_says_oom(line)
+    assert policy.engine_dead_verdict([line], "EngineDeadError").cause is Cause.OOM
 
 
 @pytest.mark.parametrize("line", [*NOT_OOM_LINES, *_data_lines()])
 def test_policy_and_ladder_agree_on_every_line(line: str) -> None:
     assert _policy_says_oom(line) == _ladder_says_oom(line)
+    # ... and so does the verdict on vLLM's engine-death line (the third reader of the table)
+    dead = policy.engine_dead_verdict([line], "EngineDeadError").cause is Cause.OOM
+    assert dead == _policy_says_oom(line)
 
 
 @pytest.mark.parametrize("line", NOT_OOM_LINES)
