@@ -10,7 +10,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "daemon" / "qwen4090"
+import qwen4090
+
+# The package the tests import: the source tree's, or the installed one (autopkgtest runs
+# these tests against /usr/lib/python3/dist-packages with daemon/ removed).
+PACKAGE = Path(qwen4090.__file__).resolve().parent
 
 
 def module_names(package: Path) -> dict[str, Path]:
