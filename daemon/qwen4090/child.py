@@ -40,6 +40,16 @@ BASE_ENV = {
     "DO_NOT_TRACK": "1",
     "PYTHONUNBUFFERED": "1",  # its log lines reach us (and journald) as they happen
 }
+# Environment vLLM gets unless our own environment (the unit's Environment=) or [vllm.env] sets it.
+DEFAULT_ENV = {
+    # vLLM's CLI picks `spawn` for its EngineCore when this is unset (cli_env_setup in
+    # entrypoints/serve/utils/api_utils.py), so the EngineCore imports torch and vLLM a second
+    # time before it logs a line: ~25 s of every start on the H200 (vLLM 0.26), ~10 s on the
+    # CPU build.  `fork` inherits the API server's imports.  vLLM itself still spawns where fork
+    # is unsafe (CUDA already initialized, Ray, WSL: utils/system_utils._maybe_force_spawn), and
+    # its CPU platform always spawns; `spawn` in [vllm.env] restores vLLM's CLI default.
+    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
+}
 CREDENTIAL_NAME = "api_key"  # systemd LoadCredential=api_key:/etc/qwen4090/api_key
 
 
@@ -85,6 +95,8 @@ def render_env(v: VllmConfig, parent: Mapping[str, str], api_key: str | None) ->
     env = child_environment(parent)
     env.pop("CREDENTIALS_DIRECTORY", None)
     env.update(BASE_ENV)
+    for key, value in DEFAULT_ENV.items():
+        env.setdefault(key, value)
     env.update(v.env)
     if api_key:
         env["VLLM_API_KEY"] = api_key  # vLLM reads it; it never appears in argv or our logs
@@ -138,8 +150,12 @@ class VllmChild:
     """One running vLLM process tree."""
 
     def __init__(self, argv: list[str], env: dict[str, str], on_line: LineSink,
-                 tail_lines: int = 200, clock: Callable[[], float] = time.monotonic) -> None:
+                 tail_lines: int = 200, clock: Callable[[], float] = time.monotonic,
+                 proc: subprocess.Popen[bytes] | None = None) -> None:
+        """Start ``argv``, or adopt ``proc``: a pre-imported interpreter (preimport.py) that
+        was started in its own group with ``env`` and has just been told to become vLLM."""
         self.argv = argv
+        self.env = env  # what it runs with: a pre-imported successor must match it
         self.clock = clock
         self.tail: deque[str] = deque(maxlen=tail_lines)
         self.lines = 0
@@ -147,7 +163,7 @@ class VllmChild:
         self.started = clock()
         self._on_line = on_line
         self._lock = threading.Lock()
-        self.proc = subprocess.Popen(
+        self.proc = proc if proc is not None else subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
         self.pid = self.proc.pid
@@ -385,11 +401,15 @@ def tcp_connections(proc: psutil.Process) -> list[Any]:
 
 
 def spawn(cfg: Config, on_line: LineSink, env: Mapping[str, str] | None = None,
-          clock: Callable[[], float] = time.monotonic) -> VllmChild:
+          clock: Callable[[], float] = time.monotonic,
+          take: Callable[[list[str], dict[str, str]], subprocess.Popen[bytes] | None]
+          = lambda argv, env: None) -> VllmChild:
+    """vLLM for ``cfg``: a new process, or the one ``take`` hands over (preimport.Preimport)."""
     env = os.environ if env is None else env
     key = read_api_key(cfg.vllm, env)
-    return VllmChild(render_argv(cfg.vllm), render_env(cfg.vllm, env, key), on_line,
-                     tail_lines=cfg.log.tail_lines, clock=clock)
+    argv, child_env = render_argv(cfg.vllm), render_env(cfg.vllm, env, key)
+    return VllmChild(argv, child_env, on_line, tail_lines=cfg.log.tail_lines, clock=clock,
+                     proc=take(argv, child_env))
 
 
 def become_subreaper() -> bool:

@@ -136,12 +136,21 @@ def cmd_run(args: argparse.Namespace) -> int:
                       (lambda pids: gpu.held(cfg.gpu.device, pids))
                       if cfg.gpu.enabled != "off" else None,
                       cfg.gpu.release_timeout)
-    # --- recovery: a fixed KV budget from the last good start, read-ahead of the weights
-    from qwen4090 import caches, readahead
+    # --- recovery: a fixed KV budget from the last good start, read-ahead of the weights,
+    # a pre-imported interpreter for the next start
+    from qwen4090 import caches, preimport, readahead
+
+    pre = preimport.Preimport(log)
+    spawned: dict[str, child.VllmChild] = {}  # the last child we started (its argv and env)
+
+    def no_preimport(argv: list[str], env: dict[str, str]) -> None:
+        return None
 
     def spawn(c: Config) -> Any:
         if c.restart.readahead:
             readahead.start(c.vllm.model, log)
+        if not c.restart.preimport:
+            pre.discard("restart.preimport is off")
         box: dict[str, Any] = {}  # this child, for its own lines (an old child's may come late)
 
         def engine_dead(line: str) -> None:
@@ -153,8 +162,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         sink = child.LineRouter(vlog, vllm_level, clues=[watch.on_line],
                                 engine_dead=engine_dead)
         box["child"] = inst.spawn(c, lambda launch: child.spawn(
-            launch, sink, env=caches.cache_environment(os.environ, launch.vllm.env)))
+            launch, sink, env=caches.cache_environment(os.environ, launch.vllm.env),
+            take=pre.take if c.restart.preimport else no_preimport))
+        spawned["last"] = box["child"]
         return box["child"]
+
+    def preimport_next(report: dict[str, Any]) -> None:
+        # At READY: the interpreter for the next start, with this child's command and env.
+        sup, last = holder["sup"], spawned.get("last")
+        if sup.cfg.restart.preimport and last is not None and sup.child is last:
+            pre.prepare(last.argv, last.env)
+        else:
+            pre.discard("restart.preimport is off")
 
     def kv_record(report: dict[str, Any]) -> None:
         if gpu.remember_kv(holder["sup"].launch, report):
@@ -167,6 +186,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                                       "; the next one profiles again")
 
     watch.on_ready.append(kv_record)
+    watch.on_ready.append(preimport_next)
     watch.on_failed.append(kv_forget)
     # --- end recovery
     parts = Parts(
@@ -212,6 +232,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         signals.restore()
         gpu.stop_watch()
+        pre.discard("stopping")
         inst.close(group_gone=sup.child is None or not sup.child.group_alive())
     code = sup.exit_code if sup.exit_code is not None else EX_SOFTWARE
     log.info("exiting", exit_code=code, state=sup.state.value)

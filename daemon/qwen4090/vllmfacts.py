@@ -33,6 +33,11 @@ _STDERR_ERROR = re.compile(r"^(Traceback |\w+(\.\w+)*(Error|Exception)\b|Runtime
                            r"ValueError|.*\bFATAL\b|Segmentation fault|Bus error)")
 UVICORN = "uvicorn"  # VllmLine.proc of uvicorn's own lines (access lines among them)
 ENGINE_PROC = "EngineCore"  # the engine's process title (setproctitle) and line prefix
+# Imported by a pre-started interpreter (preimport.py) beyond the API server's module: what the
+# API server imports only once it builds its engine client, and the forked EngineCore inherits.
+# Engine-side only: the worker and model-runner modules are left to the start, because they
+# are the ones that could touch CUDA (an interpreter with a CUDA context is not used).
+PREIMPORT_MODULES = ("vllm.v1.engine.async_llm", "vllm.v1.engine.core")
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,16 @@ def test_config_env_overrides_base_env() -> None:
     assert env["VLLM_NO_USAGE_STATS"] == "0" and env["X"] == "y" and "VLLM_API_KEY" not in env
 
 
+def test_engine_core_is_forked_unless_someone_says_otherwise() -> None:
+    # vLLM's CLI would spawn the EngineCore (a second ~25 s import on the H200): fork is ours,
+    # but the unit's Environment= and [vllm.env] still decide.
+    assert render_env(VllmConfig(), {}, None)["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    parent = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert render_env(VllmConfig(), parent, None)["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    v = from_dict({"vllm": {"env": {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}}}).vllm
+    assert render_env(v, {}, None)["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+
 def wait_until(cond: Any, timeout: float = 10.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
