@@ -212,6 +212,10 @@ def run_scenario(name: str, cfg: dict[str, dict[str, Any]], tmp: Path, cache: Pa
             res["throughput"] = throughput(port, model, THROUGHPUT_CONCURRENCY,
                                            4 * THROUGHPUT_CONCURRENCY, 512, 256)
             return res
+        if cfg.get("restart", {}).get("preimport"):  # a fault after its imports are done
+            t_pre = time.monotonic()
+            res["preimport_pid"] = d.wait_preimported(300)
+            res["preimport_wait"] = round(time.monotonic() - t_pre, 2)
         mark = d.mark()
         if name == "hang":
             load = Load(port, str(cfg["vllm"]["served_model_name"]))
@@ -237,6 +241,8 @@ def run_scenario(name: str, cfg: dict[str, dict[str, Any]], tmp: Path, cache: Pa
         if load is not None:
             load.close()
         res["steps"] = steps_after(d, mark, t0)
+        used = d.event("preimport_used", mark)
+        res["preimport_used"] = used is not None
         res["kv_tokens_after"] = kv_tokens(d, mark)
         rec = event_soon(d, "recovery_timeline", mark)
         if rec is not None:

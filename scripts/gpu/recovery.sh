@@ -11,14 +11,23 @@
 #   bash scripts/gpu/recovery.sh kvbudget  restart.fixed_kv_budget: start, kill, restart (~3 min)
 #   bash scripts/gpu/recovery.sh env       warm start + tok/s: default, in-process engine
 #                                          (VLLM_ENABLE_V1_MULTIPROCESSING=0), fork     (~6 min)
+# The fourth sitting's two stages (after the forked EngineCore and restart.preimport):
+#   bash scripts/gpu/recovery.sh fast      kill-engine (its first start cold), kill-api, hang,
+#                                          all with restart.preimport = true          (~7 min)
+#   bash scripts/gpu/recovery.sh compare   kill-engine with vLLM's spawned EngineCore (the old
+#                                          default), forked without preimport, and the fixed KV
+#                                          budget with preimport                      (~7 min)
 # Results: $OUT/recovery-<stage>.json (+ .log); docs/recovery.md says how to read them.
 # Env: OUT, QWEN4090_GPU_MODEL, CACHE (VLLM_CACHE_ROOT, default /tmp/qwen4090_recovery_cache).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
-stage=${1:?usage: recovery.sh cold|crash|hang|kvbudget|env}
+stage=${1:?usage: recovery.sh cold|crash|hang|kvbudget|env|fast|compare}
 OUT=${OUT:-/tmp/qwen4090_gpu_out}
 CACHE=${CACHE:-/tmp/qwen4090_recovery_cache}
 mkdir -p "$OUT"
+export QWEN4090_KEEP_LOGS=${QWEN4090_KEEP_LOGS:-/tmp/qwen4090_daemon_logs/$stage}
+KEEP=$QWEN4090_KEEP_LOGS
+mkdir -p "$KEEP"
 # The bench's daemon runs with PYTHONPATH=daemon only, so structlog (and prometheus_client, if
 # the image lacks it) go into the interpreter itself; they travel as wheels in .whl/ (carry it).
 for mod in structlog prometheus_client; do
@@ -40,10 +49,27 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
   id; uname -r; cat /proc/sys/kernel/io_uring_disabled 2>/dev/null || echo "io_uring_disabled: n/a"
   grep -E '^Cap(Eff|Bnd)' /proc/self/status; } > "$OUT/snapshot-prereqs.txt" 2>&1
 
+# Triton builds its CUDA stub with $CC at the first kernel; the image's linker may fail on
+# glibc's libc.so script (third sitting, scripts/gpu/installed.sh): then vLLM gets a CC that
+# links with a relative copy of it.
+CCENV=()
+echo 'int f(void){return 1;}' >/tmp/qwen4090-cc.c
+if ! "${CC:-gcc}" -shared -fPIC /tmp/qwen4090-cc.c -o /tmp/qwen4090-cc.so 2>"$OUT/cc-probe.txt"; then
+  mkdir -p /usr/local/lib/qwen4090-ldfix
+  printf 'OUTPUT_FORMAT(elf64-x86-64)\nGROUP ( libc.so.6 libc_nonshared.a AS_NEEDED ( ld-linux-x86-64.so.2 ) )\n' \
+    >/usr/local/lib/qwen4090-ldfix/libc.so
+  printf '#!/bin/sh\nexec %s "$@" -L/usr/local/lib/qwen4090-ldfix -L/lib/x86_64-linux-gnu -L/usr/lib/x86_64-linux-gnu -L/lib64\n' \
+    "$(command -v "${CC:-gcc}")" >/usr/local/bin/qwen4090-cc
+  chmod 755 /usr/local/bin/qwen4090-cc
+  /usr/local/bin/qwen4090-cc -shared -fPIC /tmp/qwen4090-cc.c -o /tmp/qwen4090-cc.so 2>>"$OUT/cc-probe.txt" \
+    && CCENV=(--env CC=/usr/local/bin/qwen4090-cc)
+fi
+echo "cc: ${CCENV[*]:-the default links}" | tee -a "$OUT/cc-probe.txt"
+
 bench() {  # bench NAME ARGS...: one bench run, its JSON and log under $OUT ($T: its time limit)
   local name=$1; shift
   timeout "${T:-520}" python3 bench/recovery.py --base gpu --cache "$CACHE" --label "$name" \
-    --out "$OUT/recovery-$name.json" "$@" 2>&1 | tee "$OUT/recovery-$name.log" | tail -12
+    --out "$OUT/recovery-$name.json" "${CCENV[@]}" "$@" 2>&1 | tee "$OUT/recovery-$name.log" | tail -12
 }
 
 case $stage in
@@ -56,6 +82,15 @@ case $stage in
     bench env-default --scenarios serve
     bench env-inproc --scenarios serve --env VLLM_ENABLE_V1_MULTIPROCESSING=0
     bench env-fork --scenarios serve --env VLLM_WORKER_MULTIPROC_METHOD=fork ;;
+  fast) T=560 bench fast --scenarios kill-engine,kill-api,hang --set restart.preimport=true ;;
+  compare)
+    T=250 bench spawn --scenarios kill-engine --env VLLM_WORKER_MULTIPROC_METHOD=spawn
+    T=150 bench fork --scenarios kill-engine
+    T=150 bench kvbudget-pre --scenarios kill-engine --set restart.fixed_kv_budget=true \
+      --set restart.preimport=true ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
+# At most 8 files come back from $OUT: the JSON results stay, the logs go into one archive
+# (with each daemon's whole log, kept by tests/support/daemon.py's QWEN4090_KEEP_LOGS).
+(cd "$OUT" && tar czf "logs-$stage.tgz" ./*.log ./*.txt -C "$KEEP" . && rm -f ./*.log ./*.txt)
 ls -l "$OUT"

@@ -27,15 +27,6 @@ def complete(port: int) -> dict[str, Any]:
         return dict(json.loads(resp.read()))
 
 
-def waiting_on_stdin(pid: int) -> bool:
-    """The interpreter has imported everything and blocks reading its stdin (fd 0)."""
-    try:
-        fields = Path(f"/proc/{pid}/syscall").read_text().split()
-    except OSError:
-        return False
-    return len(fields) > 1 and fields[0] == "0" and int(fields[1], 16) == 0  # read(0, ...)
-
-
 def alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -56,7 +47,7 @@ def test_the_next_vllm_starts_in_the_preimported_interpreter(tmp_path: Path) -> 
         zygote = int(started["pid"])
         assert started["module"] == API_SERVER and zygote != d.last_child_pid()
         assert os.getpgid(zygote) == zygote  # its own group, like every vLLM child
-        d.wait_for(lambda: waiting_on_stdin(zygote), 120, "the interpreter's imports")
+        assert d.wait_preimported(120) == zygote  # imported, waiting for vLLM's arguments
 
         mark = d.mark()
         os.kill(d.engine_core().pid, signal.SIGKILL)

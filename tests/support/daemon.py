@@ -36,6 +36,15 @@ def daemon_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **(extra or {})}
 
 
+def reading_stdin(pid: int) -> bool:
+    """The process blocks in read(0, ...) (x86_64 and arm64 number read 0 and 63)."""
+    try:
+        fields = Path(f"/proc/{pid}/syscall").read_text().split()
+    except OSError:
+        return False
+    return len(fields) > 1 and fields[0] in ("0", "63") and int(fields[1], 16) == 0
+
+
 class Proc:
     """A process in a new session (its own process group) and its merged stdout/stderr."""
 
@@ -290,6 +299,17 @@ class Daemon(Proc):
                     continue
             return None
         return self.wait_for(find, 30, "the EngineCore process")
+
+    def wait_preimported(self, timeout: float, after: int = 0) -> int | None:
+        """The pid of the pre-imported interpreter (restart.preimport) once it has imported
+        everything and blocks reading its stdin; None when none was started after ``after``."""
+        try:  # logged right after READY: the log reader may not have it yet
+            started = self.wait_event("preimport_started", 10, after)
+        except AssertionError:
+            return None
+        pid = int(started["pid"])
+        self.wait_for(lambda: reading_stdin(pid), timeout, "the pre-imported interpreter")
+        return pid
 
     def last_child_pid(self) -> int:
         with self.lock:
