@@ -62,6 +62,20 @@ def budget(cfg: Config, data: Mapping[str, Any], base: dict[str, Any]
     return n, f"{FLAG} {n} ({n / 1024 ** 3:.2f} GiB, {data.get('kv_tokens')} tokens last time)"
 
 
+GIB_ROUNDING = 0.005 * 1024 ** 3  # vLLM prints the KV GiB with 2 decimals (format_gib)
+
+
+def exact_bytes(reported: int, tokens: Any, per_token: int | None) -> int:
+    """The budget that gives back exactly ``tokens``: vLLM's own figure is rounded to 0.01 GiB,
+    so a budget of it came out 16 tokens short on the H200 (34,656 after 34,672).  tokens x
+    bytes per token is used only when it lies within that rounding of what vLLM reported (a
+    model whose per-token bytes the plan gets wrong keeps vLLM's figure)."""
+    if not isinstance(tokens, int) or tokens <= 0 or not per_token:
+        return reported
+    exact = tokens * per_token
+    return exact if abs(exact - reported) <= GIB_ROUNDING else reported
+
+
 def with_budget(cfg: Config, n: int) -> Config:
     v = dataclasses.replace(cfg.vllm, extra_args=[*cfg.vllm.extra_args, FLAG, str(n)])
     return dataclasses.replace(cfg, vllm=v)
@@ -81,14 +95,17 @@ class KvBudget:
             return {}  # missing, unreadable or torn: profile as usual
         return data if isinstance(data, dict) else {}
 
-    def record(self, launch: Config, base: dict[str, Any], report: dict[str, Any]) -> bool:
+    def record(self, launch: Config, base: dict[str, Any], report: dict[str, Any],
+               per_token: int | None = None) -> bool:
         """After READY: remember what vLLM sized (only when it sized it itself: a launch given
-        a budget, by us or by the sysadmin, has the flag)."""
+        a budget, by us or by the sysadmin, has the flag).  ``per_token``: the plan's KV bytes
+        per token, which makes the budget exactly the tokens vLLM sized (see exact_bytes)."""
         if not launch.restart.fixed_kv_budget or has_flag(list(launch.vllm.extra_args)):
             return False
         n = report.get("kv_bytes")
         if not isinstance(n, int) or n <= 0:
             return False
+        n = exact_bytes(n, report.get("kv_tokens"), per_token)
         self._write({"version": 1, "kv_cache_memory_bytes": n,
                      "kv_tokens": report.get("kv_tokens"), "time": round(self.wall(), 3),
                      "fingerprint": fingerprint(launch, base)})

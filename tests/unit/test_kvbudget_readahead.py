@@ -10,7 +10,7 @@ from tests.support.fakes import Log
 
 from qwen4090 import launch, readahead
 from qwen4090.config import Config, from_dict
-from qwen4090.kvbudget import FLAG, KvBudget
+from qwen4090.kvbudget import FLAG, KvBudget, exact_bytes
 from qwen4090.launch import Launch
 from qwen4090.plan import GpuMemory
 
@@ -48,6 +48,22 @@ def test_the_next_launch_gets_the_bytes_of_the_last_good_start(tmp_path: Path) -
     # a start that was given the budget does not re-record (the reported GiB are rounded)
     assert not record(kv, second, ready(3 * GIB))
     assert resolve(kv, c).config.vllm.extra_args[-1] == str(4 * GIB)
+
+
+def test_the_budget_is_the_exact_bytes_of_the_tokens_when_the_plan_knows_them(
+        tmp_path: Path) -> None:
+    # H200, fourth sitting: vLLM said "Available KV cache memory: 5.29 GiB" for 34,672 tokens
+    # at 163,840 B/token; a budget of 5.29 GiB gave 34,656 tokens.
+    reported, tokens, per_token = int(5.29 * GIB), 34_672, 163_840
+    assert exact_bytes(reported, tokens, per_token) == 34_672 * 163_840 == 5_680_660_480
+    assert exact_bytes(reported, tokens, None) == reported  # no plan: vLLM's figure
+    assert exact_bytes(reported, None, per_token) == reported
+    assert exact_bytes(reported, tokens, 2 * per_token) == reported  # the plan is off: keep it
+    kv = KvBudget(tmp_path)
+    first = resolve(kv, cfg())
+    assert kv.record(first.config, first.fingerprint,
+                     {"kv_bytes": reported, "kv_tokens": tokens}, per_token)
+    assert kv.read()["kv_cache_memory_bytes"] == 5_680_660_480
 
 
 def test_other_settings_or_gpu_do_not_get_it(tmp_path: Path) -> None:
@@ -164,3 +180,21 @@ def test_the_daemons_gpu_part_records_and_forgets_by_the_launch(tmp_path: Path) 
     assert not parts.remember_kv(second, ready(3 * GIB))  # given the budget: not re-recorded
     assert parts.forget_kv(second) and not (tmp_path / "kv_budget.json").exists()
     assert parts.launch(c).kv_budget is None
+
+
+def test_the_gpu_part_gives_the_record_the_plans_bytes_per_token(tmp_path: Path) -> None:
+    """gpu.remember_kv -> kvbudget: the launch's plan decides the exact budget."""
+    import dataclasses
+    from types import SimpleNamespace
+    from typing import cast
+
+    from qwen4090.gpu import GpuParts
+    from qwen4090.plan import Plan
+
+    c = from_dict({"vllm": {"model": "/m"}, "restart": {"fixed_kv_budget": True},
+                   "gpu": {"enabled": "off", "state_directory": str(tmp_path)}})
+    parts = GpuParts(Log(), env={})
+    planned = dataclasses.replace(parts.launch(c), plan=cast(
+        Plan, SimpleNamespace(kv_bytes_per_token=163_840)))
+    assert parts.remember_kv(planned, {"kv_bytes": int(5.29 * GIB), "kv_tokens": 34_672})
+    assert parts.launch(c).kv_budget == 34_672 * 163_840
