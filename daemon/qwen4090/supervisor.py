@@ -824,8 +824,7 @@ class Supervisor:
         while self.engine_deaths:
             child, line = self.engine_deaths.popleft()
             current = self.child
-            if current is None or child is not current or self.state in (
-                    S.RESTARTING, S.STOPPING) or self.state not in states.CHILD_STATES:
+            if current is None or child is not current or self.state not in states.CHILD_STATES:
                 continue  # an old child's late line, or a stop/restart under way already
             verdict = engine_dead_verdict(current.tail_lines(), line)
             self.log.warning("engine_died", pid=current.pid, cause=verdict.cause.value,

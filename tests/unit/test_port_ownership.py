@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import random
-import signal
 from typing import Any
 
-from tests.support.fakes import FakeProbe, Inline, Log, Notifier
+from tests.support.fakes import FakeChild, FakeProbe, Inline, Log, Notifier
 
 from qwen4090.config import Config, from_dict
 from qwen4090.instance import PortOwner
@@ -22,51 +21,6 @@ from qwen4090.warmup import WarmupResult, WarmupRow
 
 STRANGER = "pid 4242 (python3 -m http.server 8000)"
 IN_USE = "OSError: [Errno 98] Address already in use"
-
-
-class Child:
-    next_pid = 100
-
-    def __init__(self) -> None:
-        Child.next_pid += 1
-        self.pid = Child.next_pid
-        self.lines = 1
-        self.last_output = 0.0
-        self.rc: int | None = None
-        self.tail: list[str] = []
-
-    def poll(self) -> int | None:
-        return self.rc
-
-    def tail_lines(self) -> list[str]:
-        return self.tail
-
-    def flush_output(self, timeout: float = 2.0) -> None:
-        pass
-
-    def signal_group(self, sig: int) -> bool:
-        if self.rc is None and sig in (signal.SIGTERM, signal.SIGKILL):
-            self.rc = -sig
-        return True
-
-    def group_alive(self) -> bool:
-        return self.rc is None
-
-    def group_members(self) -> list[int]:
-        return [self.pid] if self.rc is None else []
-
-    # hook (H1 core, issue 8 items 6, 7, 10, 12): the child surface the supervisor now uses
-    def output_closed(self) -> bool:
-        return True
-
-    def engine_pids(self) -> list[int]:
-        return [self.pid + 1000] if self.rc is None else []
-
-    def client_connections(self, port: int) -> int | None:
-        return 0
-
-    def oom_evidence(self) -> str | None:
-        return None
 
 
 class Ports:
@@ -92,7 +46,7 @@ class Harness:
                         **(restart or {})},
             "watch": {"poll_interval": 1.0, "load_timeout": 1000.0, "unhealthy_timeout": 3.0}})
         self.t = 1000.0
-        self.children: list[Child] = []
+        self.children: list[FakeChild] = []
         self.preflights: list[PreflightResult] = []
         self.ports = Ports()
         self.notifier = Notifier()
@@ -110,9 +64,11 @@ class Harness:
                                    port_holder=self.ports.held_by)
         return PreflightResult()
 
-    def spawn(self, cfg: Config) -> Child:
-        self.children.append(Child())
-        return self.children[-1]
+    def spawn(self, cfg: Config) -> FakeChild:
+        child = FakeChild()
+        child.lines = 1  # vLLM has spoken: loading
+        self.children.append(child)
+        return child
 
     def warm(self, cfg: Config, probe: Any, progress: Any) -> WarmupResult:
         self.warmups += 1
@@ -146,7 +102,7 @@ def test_a_strangers_200_while_loading_is_not_our_vllm() -> None:
 def test_a_200_after_our_child_exited_is_not_health() -> None:
     h = Harness()
     h.step(dt=0.0)  # preflight -> starting
-    h.children[-1].rc = 1  # died; a stranger may still answer on the port
+    h.children[-1].exit(1)  # died; a stranger may still answer on the port
     h.sup.on_health(h.t, HealthResult(True, 200, 0.001))
     assert h.sup.state != State.WARMING and h.warmups == 0
 
@@ -205,7 +161,7 @@ def test_vllm_dying_of_a_held_port_waits_for_the_port() -> None:
     first = h.children[-1]
     h.ports.ours = False
     h.ports.held_by = STRANGER  # took the port between vLLM's bind and its listen
-    first.tail, first.rc = [IN_USE], 1
+    first.exit(1, [IN_USE])
     h.step(n=8)
     exited = h.log.named("child_exited")
     assert exited and exited[0]["cause"] == "port_held"
@@ -224,7 +180,7 @@ def test_vllm_dying_of_a_held_port_again_and_again_is_bounded() -> None:
         if h.sup.state == State.FAILED:
             break
         if h.children and h.children[-1].rc is None and h.sup.state == State.LOADING:
-            h.children[-1].tail, h.children[-1].rc = [IN_USE], 1
+            h.children[-1].exit(1, [IN_USE])
         h.step(dt=1.0)
     assert h.sup.state == State.FAILED and h.sup.exit_code == 75
     causes = [r.cause for r in h.sup.history]

@@ -591,12 +591,12 @@ def test_dead_child_seen_in_one_step_without_waiting_on_its_pipes() -> None:
     h = Harness()
     h.run_until(State.READY)
     c = h.child
-    # The API server died; the surviving EngineCore keeps the pipes (flush would block).
+    # The API server died; the surviving EngineCore keeps the pipes open: the loop must
+    # not wait for them (output_closed is asked, never waited for).
     c.closed = False
     c.rc, c.tail = 1, ["(APIServer pid=1) INFO 11-30 00:00:00 [x.py:1] serving"]
     h.step(0.01)
     assert h.sup.state == State.RESTARTING  # one step
-    assert all(t == 0 for t in c.flushes)
     assert c.signals[:1] == [signal.SIGTERM]
     # the group goes, and the last lines (the real cause) arrive after it
     c.alive = False
@@ -607,7 +607,6 @@ def test_dead_child_seen_in_one_step_without_waiting_on_its_pipes() -> None:
     h.step(0.25)
     assert h.sup.child is None and h.failure.cause is Cause.OOM
     assert "exit_classified" in h.log.names()
-    assert all(t == 0 for t in c.flushes)
 
 
 def test_output_wait_is_bounded_when_the_pipes_never_close() -> None:
