@@ -486,7 +486,8 @@ class Supervisor:
         if self.check_load_timeout(now):
             return
         if now >= self.next_poll and "health" not in self.tasks:
-            self.submit(now, "health", _health_job(self._probe(), self.cfg.watch.health_timeout))
+            self.submit(now, "health", _health_job(self._probe(), self.cfg.watch.health_timeout,
+                                                   self._owner_check()))
             self.next_poll = now + LOAD_POLL_INTERVAL
 
     def check_load_timeout(self, now: float) -> bool:
@@ -497,11 +498,12 @@ class Supervisor:
             return True
         return False
 
-    def on_health(self, now: float, res: HealthResult) -> None:
+    def on_health(self, now: float, res: tuple[HealthResult, PortOwner | None]) -> None:
         if self.state == S.LOADING:
             # A 200 counts only from our own live vLLM (issue 8.2): an exited one is reap's.
+            health, owner = res
             alive = self.child is not None and self.child.poll() is None
-            if res.ok and alive and self.stranger_on_port() is None:
+            if health.ok and alive and self.stranger_on_port(owner) is None:
                 self.log.info("health_ok", seconds_since_launch=round(now - self.spawned_at, 1))
                 self.begin_warmup(now)
             return
@@ -931,7 +933,7 @@ class Supervisor:
         if child is None or child.poll() is not None:
             return None
         v = self.launch_cfg.vllm
-        if owner is None:  # not looked up by a job: now (the loading check, once a second)
+        if owner is None:  # not looked up by the job (no child when it was submitted): now
             owner = self.p.ports.owner(child, v.host, v.port)
         if owner.ours is not False:
             self.port_wait.reset()
@@ -1153,8 +1155,13 @@ class Supervisor:
 
 
 # Jobs for the executor: each binds its probe now, so a later config cannot change it.
-def _health_job(probe: ProbeLike, timeout: float) -> Callable[[], HealthResult]:
-    return lambda: probe.health(timeout)
+def _health_job(probe: ProbeLike, timeout: float, owner: Callable[[], PortOwner] | None
+                ) -> Callable[[], tuple[HealthResult, PortOwner | None]]:
+    """/health while loading, and whose 200 it was (found here, off the loop, as _PollJob)."""
+    def job() -> tuple[HealthResult, PortOwner | None]:
+        health = probe.health(timeout)
+        return health, (owner() if health.ok and owner is not None else None)
+    return job
 
 
 class _PollJob:

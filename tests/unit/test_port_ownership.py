@@ -16,7 +16,7 @@ from qwen4090.probes.http import (
     HealthResult,
 )
 from qwen4090.states import State
-from qwen4090.supervisor import Parts, Supervisor
+from qwen4090.supervisor import Parts, Supervisor, _health_job
 from qwen4090.warmup import WarmupResult, WarmupRow
 
 STRANGER = "pid 4242 (python3 -m http.server 8000)"
@@ -103,8 +103,30 @@ def test_a_200_after_our_child_exited_is_not_health() -> None:
     h = Harness()
     h.step(dt=0.0)  # preflight -> starting
     h.children[-1].exit(1)  # died; a stranger may still answer on the port
-    h.sup.on_health(h.t, HealthResult(True, 200, 0.001))
+    h.sup.on_health(h.t, (HealthResult(True, 200, 0.001), None))
     assert h.sup.state != State.WARMING and h.warmups == 0
+
+
+def test_the_loading_check_finds_the_owner_in_the_job_not_in_the_loop() -> None:
+    # The owner lookup walks sockets (seconds under load): the health job does it, and only
+    # for a 200; the loop uses what the job found.
+    calls: list[int] = []
+
+    def owner() -> PortOwner:
+        calls.append(1)
+        return PortOwner(True)
+
+    assert _health_job(FakeProbe(), 1.0, owner)()[1] == PortOwner(True) and calls == [1]
+    down = FakeProbe()
+    down.healthy = False
+    health, found = _health_job(down, 1.0, owner)()
+    assert not health.ok and found is None and calls == [1]
+    h = Harness()
+    h.step(dt=0.0)
+    h.sup.state = State.LOADING
+    before = h.ports.owner_calls
+    h.sup.on_health(h.t, (HealthResult(True, 200, 0.001), PortOwner(True)))
+    assert h.ports.owner_calls == before and h.sup.state in (State.WARMING, State.READY)
 
 
 def test_a_stranger_on_the_port_while_ready_is_a_health_failure() -> None:
