@@ -203,6 +203,7 @@ class Supervisor:
         self.killed_at: float | None = None
         self.ready_notified = False
         self.ready_since: float | None = None
+        self.after_stable = False  # the failing run had been READY for restart.stable_after
         self.warmup: WarmupResult | None = None
         self.launch = configured(cfg)  # what the current vLLM runs with, and why (launch.py)
         self.exit_tail: list[str] = []
@@ -761,7 +762,8 @@ class Supervisor:
                                            f"{r.budget_failures}); last: {v.cause.value}: "
                                            f"{v.detail}")
             return
-        delay = backoff_delay(self.consecutive, self.cfg.restart, self.p.rand) if counted else 0.0
+        delay = backoff_delay(self.consecutive, self.cfg.restart, self.p.rand) \
+            if counted and not (self.after_stable and self.consecutive == 1) else 0.0
         self.restart_at = now + delay
         self.log.warning("restart_scheduled", cause=v.cause.value, delay=round(delay, 2),
                          restarts=self.restarts, failures_in_window=self.budget.count(now),
@@ -999,6 +1001,11 @@ class Supervisor:
             return
         # A failure found in this step's harvest comes before step_ready's own check.
         self.note_stable(now)
+        # A run that served for restart.stable_after is restarted at once (issue 10.2): one
+        # fault after a long healthy period is not a crash loop; the next ones back off.
+        self.after_stable = self.state in states.SERVING_STATES and self.consecutive == 0 \
+            and self.ready_since is not None \
+            and now - self.ready_since >= self.cfg.restart.stable_after
         self.failure = verdict
         level = self.log.info if verdict.cause in NOT_FAILURES else self.log.error
         level("vllm_failed", cause=verdict.cause.value, detail=verdict.detail,

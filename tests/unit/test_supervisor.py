@@ -651,7 +651,7 @@ def test_sigkill_says_oom_only_with_the_kernels_evidence() -> None:
                                 "(cgroup oom_kill 0 -> 1)")
 
 
-def test_first_restart_after_a_stable_run_has_the_initial_backoff() -> None:
+def test_first_restart_after_a_stable_run_is_immediate_and_the_next_back_off() -> None:
     h = Harness({"restart": {"stable_after": 30.0, "budget_failures": 10}})
     for _ in range(2):  # two quick failures: the backoff grows
         h.run_until(State.LOADING)
@@ -668,7 +668,12 @@ def test_first_restart_after_a_stable_run_has_the_initial_backoff() -> None:
     assert h.sup.state == State.RESTARTING
     h.run_until(State.PREFLIGHT)
     delays = [kw["delay"] for _, e, kw in h.log.events if e == "restart_scheduled"]
-    assert delays == [1.0, 2.0, 1.0]
+    assert delays == [1.0, 2.0, 0.0]  # issue 10.2: no backoff after a long healthy period
+    h.run_until(State.LOADING)  # a quick failure after it: the backoff is back
+    h.child.exit(1, ["ValueError: boom"])
+    h.step(0.1, n=2)
+    delays = [kw["delay"] for _, e, kw in h.log.events if e == "restart_scheduled"]
+    assert delays == [1.0, 2.0, 0.0, 2.0]
 
 
 def test_reload_that_shortens_the_poll_interval_acts_from_the_last_poll() -> None:
