@@ -49,7 +49,9 @@ def write_config(path: Path, **sections: dict[str, Any]) -> Path:
                  "model": MODEL, "served_model_name": NAME, "port": PORT,
                  "quantization": "fp8", "gpu_memory_utilization": 0.16,
                  "max_model_len": 8192, "max_num_seqs": 8, "max_num_batched_tokens": 8192,
-                 "extra_args": ["--load-format", "dummy"], "env": VLLM_ENV},
+                 "extra_args": ["--load-format", "dummy"], "env": VLLM_ENV,
+                 # QWEN4090_GPU_EAGER=true: no torch.compile (a short sitting's faster starts)
+                 "enforce_eager": os.environ.get("QWEN4090_GPU_EAGER") == "true"},
         "warmup": {"lengths": LENGTHS, "concurrency": [1, 8], "max_tokens": 4},
         "watch": {"poll_interval": 2.0, "hang_timeout": 15.0, "canary_interval": 30.0,
                   "load_timeout": 540.0},
