@@ -95,23 +95,21 @@ def test_commands_that_are_not_python_m_are_refused_once(tmp_path: Path) -> None
     assert len(log.named("preimport_unavailable")) == 1 and pre.proc is None
 
 
-def wait_dead(pre: Preimport, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    assert pre.proc is not None
-    while pre.proc.poll() is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+def lost_interpreter(tmp_path: Path, name: str, body: str) -> dict[str, Any]:
+    """Prepare an interpreter for a server module that ends it; take() must refuse it and
+    say why (the preimport_lost event)."""
+    env = server_module(tmp_path, name, body)
+    log = Log()
+    pre = Preimport(log)
+    argv = [sys.executable, "-m", name]
+    assert pre.prepare(argv, env) is not None and pre.proc is not None
+    pre.proc.wait(timeout=30)
+    assert pre.take(argv, env) is None and pre.proc is None
+    return log.named("preimport_lost")[0]
 
 
 def test_an_interpreter_that_died_is_reported_and_not_used(tmp_path: Path) -> None:
-    env = server_module(tmp_path, "brokenserver", "raise ImportError('no vllm here')\n")
-    log = Log()
-    pre = Preimport(log)
-    argv = [sys.executable, "-m", "brokenserver"]
-    assert pre.prepare(argv, env) is not None
-    wait_dead(pre)
-    assert pre.take(argv, env) is None
-    lost: dict[str, Any] = log.named("preimport_lost")[0]
+    lost = lost_interpreter(tmp_path, "brokenserver", "raise ImportError('no vllm here')\n")
     assert lost["code"] == 1 and "no vllm here" in " ".join(lost["detail"])
 
 
@@ -120,14 +118,7 @@ def test_an_import_that_initializes_cuda_makes_the_interpreter_unusable(tmp_path
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text(
         "class cuda:\n    @staticmethod\n    def is_initialized():\n        return True\n")
-    env = server_module(tmp_path, "cudaserver", "import torch\n")
-    log = Log()
-    pre = Preimport(log)
-    argv = [sys.executable, "-m", "cudaserver"]
-    assert pre.prepare(argv, env) is not None
-    wait_dead(pre)
-    assert pre.take(argv, env) is None
-    lost = log.named("preimport_lost")[0]
+    lost = lost_interpreter(tmp_path, "cudaserver", "import torch\n")
     assert lost["code"] == 3 and "initialized CUDA" in " ".join(lost["detail"])
 
 
