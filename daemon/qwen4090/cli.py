@@ -212,7 +212,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # --- gpu (H5): samples reach the listeners (/status, /metrics)
     gpu.start_watch(cfg, on_gpu_fault, sup.report_gpu_sample)
     # --- end gpu
-    api = start_status(sup, log, sources=[watch])  # /status, /metrics, /livez, /readyz
+    api = start_status(sup, log, sources=[watch, pre])  # /status, /metrics, /livez, /readyz
     sup.p.listeners.append(reload_fanout(sup, gpu, api, on_gpu_fault))
     signals.install(sup.deliver, wake)
     try:

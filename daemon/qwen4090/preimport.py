@@ -22,6 +22,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
+from prometheus_client import CollectorRegistry, Gauge
+
 from qwen4090 import oomscore
 from qwen4090.vllmfacts import PREIMPORT_MODULES
 
@@ -120,6 +123,26 @@ class Preimport:
         self.log.info("preimport_used", pid=proc.pid, age=round(self.clock() - self.started, 1))
         self._forget()
         return proc
+
+    # --- what /status and /metrics show (httpapi.StatusSource; the HTTP thread) -------------
+
+    def status(self) -> dict[str, Any]:
+        """``preimport``: the waiting interpreter (pid, seconds since its start, its memory),
+        or None when there is none."""
+        proc, started = self.proc, self.started  # one read each: the loop may replace them
+        if proc is None or proc.returncode is not None:
+            return {"preimport": None}
+        try:
+            rss: int | None = psutil.Process(proc.pid).memory_info().rss
+        except psutil.Error:
+            rss = None
+        return {"preimport": {"pid": proc.pid, "age_s": round(self.clock() - started, 1),
+                              "rss_bytes": rss}}
+
+    def register(self, registry: CollectorRegistry) -> None:
+        Gauge("qwen4090_preimport_ready", "1 while a pre-imported vLLM interpreter waits for "
+              "the next start (restart.preimport)", registry=registry).set_function(
+            lambda: 0.0 if self.status()["preimport"] is None else 1.0)
 
     def discard(self, why: str | None) -> None:
         """Kill the waiting interpreter's group (it runs nothing yet) and reap it; ``why``

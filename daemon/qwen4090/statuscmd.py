@@ -118,6 +118,12 @@ def summary(doc: dict[str, Any], now: float | None = None) -> str:
     for i, g in enumerate(gpu_list(doc.get("gpu"))):
         shown = ", ".join(f"{k}={_val(v)}" for k, v in g.items() if k != "index")
         lines.append(f"  gpu{g.get('index', i)}      {shown}")
+    pre = doc.get("preimport")
+    if pre:
+        rss = pre.get("rss_bytes")
+        lines.append(f"  next      vLLM pre-imported in pid {pre.get('pid')} for "
+                     f"{_dur(pre.get('age_s'))}" + (f", {rss / 1024 ** 3:.1f} GiB RAM"
+                                                    if rss else ""))
     hist = doc.get("history") or []
     restarts = doc.get("restarts", 0)
     lines.append(f"  restarts  {restarts} ({doc.get('failures_in_window', 0)} failures in the "

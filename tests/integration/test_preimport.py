@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from tests.support.clients import record
+from tests.support.clients import http_get, metrics_value, record
 from tests.support.daemon import Daemon
 from tests.support.runtime import API_SERVER, cpu_config, free_port, write_toml
 
@@ -35,9 +35,10 @@ def alive(pid: int) -> bool:
 
 
 def test_the_next_vllm_starts_in_the_preimported_interpreter(tmp_path: Path) -> None:
-    port = free_port()
+    port, status_port = free_port(), free_port()
     cfg = write_toml(tmp_path / "q.toml", cpu_config(
         port, restart={"preimport": True, "backoff_initial": 0.2},
+        status={"enabled": True, "host": "127.0.0.1", "port": status_port},
         gpu={"enabled": "off", "state_directory": str(tmp_path / "state")}))
     d = Daemon(cfg, tmp_path, port=port)
     try:
@@ -48,6 +49,10 @@ def test_the_next_vllm_starts_in_the_preimported_interpreter(tmp_path: Path) -> 
         assert started["module"] == API_SERVER and zygote != d.last_child_pid()
         assert os.getpgid(zygote) == zygote  # its own group, like every vLLM child
         assert d.wait_preimported(120) == zygote  # imported, waiting for vLLM's arguments
+        # where a sysadmin looks: /status and /metrics of the status endpoint
+        shown = json.loads(http_get(status_port, "/status")[1])["preimport"]
+        assert shown["pid"] == zygote and shown["rss_bytes"] > 0
+        assert metrics_value(status_port, "qwen4090_preimport_ready") == 1.0
 
         mark = d.mark()
         os.kill(d.engine_core().pid, signal.SIGKILL)

@@ -409,6 +409,8 @@ zwho="$(ps -o user= -p "${Z:-0}" 2>/dev/null | tr -d ' ') $(ps -o pgid= -p "${Z:
 check "after READY an interpreter with vLLM imported waits on its stdin (pid ${Z:-none})" \
     reading_stdin "${Z:-0}"
 check "... as user $U in its own process group (user, group: $zwho)" test "$zwho" = "$U ${Z:-none}"
+st=$(runuser -u "$U" -- qwen4090 status 2>/dev/null | grep 'pre-imported' || true)
+check "... and \`qwen4090 status\` shows it: $st" has "$st" "pre-imported in pid $Z "
 MAIN=$(prop MainPID); n0=$(prop NRestarts)
 c=$(cursor)
 ts=$(date +%s)

@@ -150,3 +150,23 @@ def test_an_empty_line_or_eof_ends_the_waiting_interpreter(tmp_path: Path) -> No
     proc.stdin.close()  # what a killed supervisor leaves it
     assert proc.wait(timeout=20) == 0
     pre.discard("test")
+
+
+def test_status_and_metrics_show_the_waiting_interpreter(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    env = server_module(tmp_path, "fakeserver", ECHO)
+    clock = [100.0]
+    pre = Preimport(Log(), clock=lambda: clock[0])
+    registry = CollectorRegistry()
+    pre.register(registry)
+    assert pre.status() == {"preimport": None}
+    assert registry.get_sample_value("qwen4090_preimport_ready") == 0.0
+    pid = pre.prepare([sys.executable, "-m", "fakeserver"], env)
+    clock[0] += 12.5
+    shown = pre.status()["preimport"]
+    assert shown["pid"] == pid and shown["age_s"] == 12.5 and shown["rss_bytes"] > 0
+    assert registry.get_sample_value("qwen4090_preimport_ready") == 1.0
+    pre.discard("test")
+    assert pre.status() == {"preimport": None}
+    assert registry.get_sample_value("qwen4090_preimport_ready") == 0.0

@@ -27,6 +27,7 @@ DOC: dict[str, Any] = {
          "seconds": 1}]},
     "vllm_metrics": {"vllm:num_requests_running": 3.0, "vllm:kv_cache_usage_perc": 0.5},
     "gpu": {"index": 0, "memory_used_mib": 20000, "temperature_c": 61.5},
+    "preimport": {"pid": 77, "age_s": 30.0, "rss_bytes": 536870912},
 }
 
 
@@ -37,6 +38,8 @@ def test_summary_is_compact_and_has_the_facts() -> None:
     assert "3 running, 0 waiting, KV cache 50% used" in text
     assert "gpu0" in text and "temperature_c=61.5" in text
     assert "60s ago  signal: killed by SIGKILL" in text
+    assert "vLLM pre-imported in pid 77 for 30s, 0.5 GiB RAM" in text
+    assert "pre-imported" not in statuscmd.summary({**DOC, "preimport": None}, now=1060.0)
     assert len(text.splitlines()) <= 12
 
 
