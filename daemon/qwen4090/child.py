@@ -73,6 +73,8 @@ def render_argv(v: VllmConfig) -> list[str]:
              else "--no-enable-chunked-prefill"]
     if v.enforce_eager:
         argv.append("--enforce-eager")
+    if v.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(v.tensor_parallel_size)]
     return argv + list(v.extra_args)
 
 

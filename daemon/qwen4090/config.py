@@ -118,6 +118,9 @@ class VllmConfig:
                                       "attention backend's choice (16 on CUDA)",
                                 choices=(8, 16, 32, 64, 128))
     enforce_eager: bool = opt(False, "skip CUDA graphs and torch.compile (slower, starts faster)")
+    tensor_parallel_size: int = opt(1, "GPUs one model is split over (--tensor-parallel-size); "
+                                       "the plan accounts per GPU, for identical GPUs", min=1,
+                                    max=64)
     api_key_file: str = opt("", "file holding the API key clients must send (printable ASCII, "
                                 "no spaces); empty = no key; must not be group/world readable",
                             kind="abspath")
@@ -701,6 +704,7 @@ OWN_FLAGS = {
     "--enable-chunked-prefill": "vllm.enable_chunked_prefill",
     "--no-enable-chunked-prefill": "vllm.enable_chunked_prefill",
     "--enforce-eager": "vllm.enforce_eager",
+    "--tensor-parallel-size": "vllm.tensor_parallel_size", "-tp": "vllm.tensor_parallel_size",
 }
 # Environment that qwen4090 sets or strips itself.
 OWN_ENV = ("VLLM_API_KEY", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID",

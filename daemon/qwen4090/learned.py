@@ -48,9 +48,12 @@ def state_dir(cfg: Config, env: Mapping[str, str] | None = None) -> Path:
 
 def fingerprint(cfg: Config, gpu_name: str, gpu_bytes: int) -> dict[str, Any]:
     v = cfg.vllm
-    return {"model": v.model, "quantization": v.quantization, "dtype": v.dtype,
-            "kv_cache_dtype": v.kv_cache_dtype, "enforce_eager": v.enforce_eager,
-            "gpu": gpu_name, "gpu_gib": round(gpu_bytes / 1024 ** 3, 1)}
+    fp: dict[str, Any] = {"model": v.model, "quantization": v.quantization, "dtype": v.dtype,
+                          "kv_cache_dtype": v.kv_cache_dtype, "enforce_eager": v.enforce_eager,
+                          "gpu": gpu_name, "gpu_gib": round(gpu_bytes / 1024 ** 3, 1)}
+    if v.tensor_parallel_size > 1:  # only then: files learned before the key still match
+        fp["tensor_parallel_size"] = v.tensor_parallel_size
+    return fp
 
 
 @dataclass(frozen=True)

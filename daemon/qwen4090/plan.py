@@ -5,6 +5,11 @@
     KV tokens   = KV cache / (2 x layers x kv_heads x head_dim x bytes of the KV dtype)
     outside     = CUDA graphs + CUDA context, ~1.5 GiB measured ABOVE the budget
 
+With ``vllm.tensor_parallel_size`` N > 1 every line is per GPU, for N GPUs like the one
+planned for: the weights and the MLP's activations split N ways, each GPU holds the KV of
+max(1, kv_heads / N) heads for every token (vLLM's own split: it replicates KV heads when N
+exceeds them), and the attention heads must divide by N.  Not measured on two GPUs (issue 12).
+
 Numbers and where they come from (vLLM 0.26 on an H200, docs/gpu-validation.md):
 - usable memory is what CUDA reports as total (NVML total minus NVML's "reserved"): vLLM's
   budget is ``utilization x that`` (0.92 x 139.8 GiB = 128.62 GiB in its log).
@@ -174,6 +179,7 @@ class Plan:
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    tensor_parallel_size: int = 1  # GPUs the model is split over: every byte above is per GPU
     chosen: dict[str, str] = field(default_factory=dict)  # key -> why (for "auto" values)
     problems: list[tuple[str, str]] = field(default_factory=list)  # (config key, message)
     warnings: list[str] = field(default_factory=list)
@@ -202,6 +208,7 @@ class Plan:
             "peak_bytes": self.budget_bytes + self.outside_budget_bytes,
             "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
+            "tensor_parallel_size": self.tensor_parallel_size,
             "full_length_seqs": round(self.full_length_seqs, 2),
             "chosen": self.chosen, "fits": self.fits,
             "problems": [{"key": k, "message": m} for k, m in self.problems],
@@ -252,12 +259,21 @@ def estimate_weights(model: ModelFacts, dtype: str, quantization: str) -> tuple[
     return weights, note + ")"
 
 
-def kv_bytes_per_token(model: ModelFacts, kv_dtype: str) -> int:
-    return 2 * model.layers * model.kv_heads * model.head_dim * DTYPE_BYTES.get(kv_dtype, 2)
+def kv_heads_per_gpu(model: ModelFacts, tp: int = 1) -> int:
+    """vLLM splits the KV heads over the GPUs, and replicates them when there are fewer."""
+    return max(1, model.kv_heads // tp)
 
 
-def activation_bytes(model: ModelFacts, batched_tokens: int, dtype: str) -> int:
-    return batched_tokens * (4 * model.intermediate + 8 * model.hidden) * DTYPE_BYTES.get(dtype, 2)
+def kv_bytes_per_token(model: ModelFacts, kv_dtype: str, tp: int = 1) -> int:
+    """Per GPU: 2 (K and V) x layers x its KV heads x head_dim x bytes."""
+    return 2 * model.layers * kv_heads_per_gpu(model, tp) * model.head_dim \
+        * DTYPE_BYTES.get(kv_dtype, 2)
+
+
+def activation_bytes(model: ModelFacts, batched_tokens: int, dtype: str, tp: int = 1) -> int:
+    """Per GPU: the MLP's intermediate activations are split over the GPUs, the hidden ones not."""
+    return batched_tokens * (4 * model.intermediate // tp + 8 * model.hidden) \
+        * DTYPE_BYTES.get(dtype, 2)
 
 
 def make_plan(cfg: Config, model: ModelFacts, gpu: GpuMemory) -> Plan:
@@ -267,8 +283,11 @@ def make_plan(cfg: Config, model: ModelFacts, gpu: GpuMemory) -> Plan:
     kv_dtype = dtype if v.kv_cache_dtype == "auto" else v.kv_cache_dtype
     if kv_dtype in ("float32",):
         kv_dtype = "float32"
+    tp = v.tensor_parallel_size
     weights, note = estimate_weights(model, dtype, v.quantization)
-    per_token = kv_bytes_per_token(model, kv_dtype)
+    if tp > 1:
+        weights, note = -(-weights // tp), f"{note}, split over {tp} GPUs"
+    per_token = kv_bytes_per_token(model, kv_dtype, tp)
     block = v.block_size if isinstance(v.block_size, int) else 16
     budget = int(v.gpu_memory_utilization * gpu.total_bytes)
     chunked = v.enable_chunked_prefill
@@ -288,7 +307,7 @@ def make_plan(cfg: Config, model: ModelFacts, gpu: GpuMemory) -> Plan:
     length = explicit_len or model_max
     for _ in range(4):
         batched = batched_for(length)
-        act = activation_bytes(model, batched, dtype)
+        act = activation_bytes(model, batched, dtype, tp)
         kv_cache = budget - weights - act - NON_TORCH_BYTES
         kv_tokens = max(0, kv_cache // per_token // block * block)
         new_len = explicit_len or _auto_len(model_max, kv_tokens, block)
@@ -320,7 +339,7 @@ def make_plan(cfg: Config, model: ModelFacts, gpu: GpuMemory) -> Plan:
                 non_torch_bytes=NON_TORCH_BYTES, budget_bytes=budget,
                 kv_cache_bytes=kv_cache, kv_tokens=kv_tokens, outside_budget_bytes=outside,
                 block_size=block, max_model_len=max_len, max_num_seqs=seqs,
-                max_num_batched_tokens=batched, chosen=chosen)
+                max_num_batched_tokens=batched, tensor_parallel_size=tp, chosen=chosen)
     _judge(plan, cfg)
     return plan
 
@@ -333,6 +352,13 @@ def _auto_len(model_max: int | None, kv_tokens: int, block: int) -> int:
 def _judge(plan: Plan, cfg: Config) -> None:
     v = cfg.vllm
     g = gib
+    tp, heads = plan.tensor_parallel_size, plan.model.heads
+    if tp > 1 and heads % tp:
+        plan.problems.append((
+            "vllm.tensor_parallel_size",
+            f"found {tp}, but the model's {heads} attention heads do not divide by it (vLLM "
+            f"refuses that); expected one of "
+            f"{', '.join(str(n) for n in range(1, min(heads, 64) + 1) if heads % n == 0)}"))
     if plan.kv_cache_bytes <= 0:
         need = (plan.weights_bytes + plan.activation_bytes + plan.non_torch_bytes) \
             / plan.gpu.total_bytes
@@ -415,10 +441,13 @@ def refusal(cfg: Config, plan: Plan) -> ConfigError | None:
 def render(plan: Plan, cfg: Config) -> str:
     m, g = plan.model, gib
     v = cfg.vllm
+    tp = plan.tensor_parallel_size
     lines = [f"model     {m.path} ({m.architecture}): {m.layers} layers, {m.heads} heads, "
              f"{m.kv_heads} KV heads x {m.head_dim}, {m.params / 1e9:.2f} B parameters",
              f"GPU       {plan.gpu.name or 'unknown'}: {g(plan.gpu.total_bytes)} usable "
-             f"({plan.gpu.source})", ""]
+             f"({plan.gpu.source})"
+             + (f"; split over {tp} GPUs like it (tensor_parallel_size): every line is per "
+                "GPU" if tp > 1 else ""), ""]
 
     def row(label: str, value: str, note: str = "") -> None:
         lines.append(f"  {label:<26}{value:>14}  {note}".rstrip())
@@ -427,12 +456,13 @@ def render(plan: Plan, cfg: Config) -> str:
         f"gpu_memory_utilization {plan.gpu_memory_utilization:g} x {g(plan.gpu.total_bytes)}")
     row("- weights", g(plan.weights_bytes), plan.weights_note)
     row("- activation peak", g(plan.activation_bytes),
-        f"{plan.max_num_batched_tokens} batched tokens x (4 x {m.intermediate} + 8 x "
-        f"{m.hidden}) x {DTYPE_BYTES.get(plan.dtype, 2)} B")
+        f"{plan.max_num_batched_tokens} batched tokens x (4 x {m.intermediate}"
+        f"{f' / {tp}' if tp > 1 else ''} + 8 x {m.hidden}) x {DTYPE_BYTES.get(plan.dtype, 2)} B")
     row("- non-torch", g(plan.non_torch_bytes), "NCCL/cuBLAS buffers (measured 0.22 GiB)")
     row("= KV cache", g(plan.kv_cache_bytes))
     row("KV bytes per token", f"{plan.kv_bytes_per_token:,} B",
-        f"2 x {m.layers} layers x {m.kv_heads} KV heads x {m.head_dim} x "
+        f"2 x {m.layers} layers x {kv_heads_per_gpu(m, tp)} KV heads"
+        f"{f' (of {m.kv_heads}, on each of {tp} GPUs)' if tp > 1 else ''} x {m.head_dim} x "
         f"{DTYPE_BYTES.get(plan.kv_dtype, 2)} B ({plan.kv_dtype})")
     row("KV tokens", f"{plan.kv_tokens:,}", f"in blocks of {plan.block_size}")
     row("outside the budget", g(plan.outside_budget_bytes),

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from qwen4090.child import VllmChild, kernel_oom_line, oom_kill_count, render_argv, render_env
 from qwen4090.config import VllmConfig, from_dict
 
@@ -184,3 +186,19 @@ def test_count_clients_reads_the_kernels_tables() -> None:
     assert count_clients(8000, [v4], own_inodes=set()) == 2
     assert count_clients(8000, [v4, v6], own_inodes={"13"}) == 2
     assert count_clients(8001, [v4], own_inodes=set()) == 1
+
+
+def test_tensor_parallel_size_is_a_key_not_an_extra_arg() -> None:
+    from qwen4090.config import ConfigError
+    from qwen4090.learned import fingerprint
+
+    assert "--tensor-parallel-size" not in render_argv(VllmConfig())  # one GPU: vLLM's default
+    two = from_dict({"vllm": {"tensor_parallel_size": 2}})
+    argv = render_argv(two.vllm)
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    for flag in ("--tensor-parallel-size", "-tp", "--tensor_parallel_size=2"):
+        with pytest.raises(ConfigError, match=r"vllm\.tensor_parallel_size"):
+            from_dict({"vllm": {"extra_args": [flag, "2"]}})
+    # learned settings belong to the split; one GPU keeps the fingerprint it always had
+    assert "tensor_parallel_size" not in fingerprint(from_dict({}), "g", 1)
+    assert fingerprint(two, "g", 1)["tensor_parallel_size"] == 2

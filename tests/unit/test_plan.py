@@ -181,3 +181,42 @@ def test_plan_cli_model_flag_without_config(q14: Path, tmp_path: Path,
 def test_missing_config_json_is_a_plan_error(tmp_path: Path) -> None:
     with pytest.raises(plan.PlanError, match=r"config\.json"):
         plan.read_model(tmp_path)
+
+
+# --- tensor parallelism (issue 12: the account per GPU; not measured on two GPUs) -------------
+
+RTX4090 = plan.GpuMemory(int(23.5 * GIB), "NVIDIA GeForce RTX 4090", "test")
+
+
+def test_two_gpus_split_weights_kv_heads_and_mlp_activations(q14: Path) -> None:
+    # bf16 Qwen3-14B (27.5 GiB) does not fit one 24 GB card; split over two it does.
+    m = plan.read_model(q14)
+    one = plan.make_plan(cfg_for(q14, max_model_len=8192, max_num_batched_tokens=4096),
+                         m, RTX4090)
+    two = plan.make_plan(cfg_for(q14, max_model_len=8192, max_num_batched_tokens=4096,
+                                 tensor_parallel_size=2), m, RTX4090)
+    assert not one.fits and two.fits and two.tensor_parallel_size == 2
+    assert two.weights_bytes == -(-one.weights_bytes // 2)
+    assert "split over 2 GPUs" in two.weights_note
+    assert two.kv_bytes_per_token == 2 * 40 * 4 * 128 * 2  # 4 of the 8 KV heads on each GPU
+    assert two.activation_bytes == 4096 * (4 * 17408 // 2 + 8 * 5120) * 2
+    assert two.budget_bytes == one.budget_bytes  # per GPU: the same card
+    kv = two.budget_bytes - two.weights_bytes - two.activation_bytes - two.non_torch_bytes
+    assert two.kv_tokens == kv // two.kv_bytes_per_token // 16 * 16
+    assert two.as_json()["tensor_parallel_size"] == 2
+    text = plan.render(two, cfg_for(q14, tensor_parallel_size=2))
+    assert "split over 2 GPUs like it" in text and "(of 8, on each of 2 GPUs)" in text
+
+
+def test_more_gpus_than_kv_heads_replicate_them(q14: Path) -> None:
+    m = plan.read_model(q14)
+    assert plan.kv_heads_per_gpu(m, 8) == 1 and plan.kv_heads_per_gpu(m, 16) == 1
+    assert plan.kv_bytes_per_token(m, "bfloat16", 16) == 2 * 40 * 1 * 128 * 2
+
+
+def test_a_split_the_heads_do_not_divide_by_is_refused(q14: Path) -> None:
+    p = plan.make_plan(cfg_for(q14, tensor_parallel_size=3, max_model_len=8192),
+                       plan.read_model(q14), H200)
+    assert not p.fits and p.problems[0][0] == "vllm.tensor_parallel_size"
+    assert "40 attention heads do not divide by it" in p.problems[0][1]
+    assert "expected one of 1, 2, 4, 5, 8, 10, 20, 40" in p.problems[0][1]
