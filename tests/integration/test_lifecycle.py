@@ -122,9 +122,12 @@ def test_sighup_supervisor_setting_applies_live(daemon: Daemon) -> None:
     daemon.wait_for(lambda: daemon.event("canary_ok", daemon.events.index(first) + 1), 10,
                     "a second canary")
     drop.unlink()
-    m3 = daemon.mark()
+    m3, t3 = daemon.mark(), time.monotonic()
     daemon.signal(signal.SIGHUP)
     assert daemon.wait_event("reloaded", 20, after=m3)["changed"] == "watch"
+    # the reload ends with READY=1, sent after the "reloaded" line and read by another
+    # thread: wait for it here, or the next test sees it (seen in CI)
+    daemon.wait_notify("READY=1", 10, after_time=t3)
 
 
 def test_killed_engine_core_is_healed(daemon: Daemon) -> None:

@@ -9,6 +9,7 @@ Standard library and psutil only (the GPU image has both, and qwen4090 needs psu
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -45,6 +46,9 @@ def reading_stdin(pid: int) -> bool:
     return len(fields) > 1 and fields[0] in ("0", "63") and int(fields[1], 16) == 0
 
 
+F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on Linux; named here for mypy
+
+
 class Proc:
     """A process in a new session (its own process group) and its merged stdout/stderr."""
 
@@ -73,6 +77,12 @@ class Proc:
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
                                      start_new_session=True)
+        assert self.proc.stdout is not None
+        # A full pipe blocks the daemon's log writes, and with them its loop.  On CI's 2 cores
+        # with vLLM busy, this reader (one thread among the test's streams) can fall seconds
+        # behind: 1 MiB instead of 64 KiB of slack (Linux's default pipe-max-size).
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(self.proc.stdout.fileno(), F_SETPIPE_SZ, 1 << 20)
         self._threads.insert(0, threading.Thread(target=self._read_lines, daemon=True))
         for t in self._threads:
             t.start()
