@@ -405,13 +405,13 @@ def tcp_connections(proc: psutil.Process) -> list[Any]:
 def spawn(cfg: Config, on_line: LineSink, env: Mapping[str, str] | None = None,
           clock: Callable[[], float] = time.monotonic,
           take: Callable[[list[str], dict[str, str]], subprocess.Popen[bytes] | None]
-          = lambda argv, env: None) -> VllmChild:
+          | None = None) -> VllmChild:
     """vLLM for ``cfg``: a new process, or the one ``take`` hands over (preimport.Preimport)."""
     env = os.environ if env is None else env
     key = read_api_key(cfg.vllm, env)
     argv, child_env = render_argv(cfg.vllm), render_env(cfg.vllm, env, key)
     return VllmChild(argv, child_env, on_line, tail_lines=cfg.log.tail_lines, clock=clock,
-                     proc=take(argv, child_env))
+                     proc=take(argv, child_env) if take is not None else None)
 
 
 def become_subreaper() -> bool:

@@ -141,10 +141,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from qwen4090 import caches, preimport, readahead
 
     pre = preimport.Preimport(log)
-    spawned: dict[str, child.VllmChild] = {}  # the last child we started (its argv and env)
-
-    def no_preimport(argv: list[str], env: dict[str, str]) -> None:
-        return None
 
     def spawn(c: Config) -> Any:
         if c.restart.readahead:
@@ -163,17 +159,16 @@ def cmd_run(args: argparse.Namespace) -> int:
                                 engine_dead=engine_dead)
         box["child"] = inst.spawn(c, lambda launch: child.spawn(
             launch, sink, env=caches.cache_environment(os.environ, launch.vllm.env),
-            take=pre.take if c.restart.preimport else no_preimport))
-        spawned["last"] = box["child"]
+            take=pre.take if c.restart.preimport else None))
         return box["child"]
 
     def preimport_next(report: dict[str, Any]) -> None:
         # At READY: the interpreter for the next start, with this child's command and env.
-        sup, last = holder["sup"], spawned.get("last")
-        if sup.cfg.restart.preimport and last is not None and sup.child is last:
-            pre.prepare(last.argv, last.env)
-        else:
+        sup = holder["sup"]
+        if not sup.cfg.restart.preimport:
             pre.discard("restart.preimport is off")
+        elif isinstance(sup.child, child.VllmChild):
+            pre.prepare(sup.child.argv, sup.child.env)
 
     def kv_record(report: dict[str, Any]) -> None:
         if gpu.remember_kv(holder["sup"].launch, report):

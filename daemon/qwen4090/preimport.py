@@ -56,9 +56,10 @@ class Preimport:
         self._said_unavailable = False
 
     @staticmethod
-    def _key(argv: Sequence[str], env: dict[str, str]
+    def _key(parts: tuple[list[str], str, list[str]] | None, env: dict[str, str]
              ) -> tuple[tuple[str, ...], str, tuple[tuple[str, str], ...]] | None:
-        parts = split_command(argv)
+        """What an interpreter is started with (split_command's parts of the command and the
+        environment); None for a command that cannot be pre-imported."""
         if parts is None:
             return None
         python, module, _ = parts
@@ -66,7 +67,7 @@ class Preimport:
 
     def prepare(self, argv: Sequence[str], env: dict[str, str]) -> int | None:
         """Have an interpreter ready for a launch like ``argv`` with ``env``; its pid, or None."""
-        key = self._key(argv, env)
+        key = self._key(split_command(argv), env)
         if key is None:
             if not self._said_unavailable:
                 self._said_unavailable = True
@@ -107,11 +108,10 @@ class Preimport:
                              detail=tail.decode("utf-8", "replace").strip().splitlines()[-1:])
             self.discard(None)
             return None
-        if self._key(argv, env) != self.key:
+        parts = split_command(argv)
+        if parts is None or self._key(parts, env) != self.key:
             self.discard("the command or environment changed")
             return None
-        parts = split_command(argv)
-        assert parts is not None  # the key matched
         try:
             assert proc.stdin is not None
             proc.stdin.write((json.dumps({"argv": parts[2]}) + "\n").encode())
@@ -130,7 +130,7 @@ class Preimport:
         """``preimport``: the waiting interpreter (pid, seconds since its start, its memory),
         or None when there is none."""
         proc, started = self.proc, self.started  # one read each: the loop may replace them
-        if proc is None or proc.returncode is not None:
+        if proc is None or not self._waiting(proc):
             return {"preimport": None}
         try:
             rss: int | None = psutil.Process(proc.pid).memory_info().rss
@@ -142,7 +142,12 @@ class Preimport:
     def register(self, registry: CollectorRegistry) -> None:
         Gauge("qwen4090_preimport_ready", "1 while a pre-imported vLLM interpreter waits for "
               "the next start (restart.preimport)", registry=registry).set_function(
-            lambda: 0.0 if self.status()["preimport"] is None else 1.0)
+            lambda: 1.0 if self._waiting(self.proc) else 0.0)  # no psutil per scrape
+
+    @staticmethod
+    def _waiting(proc: subprocess.Popen[bytes] | None) -> bool:
+        """There is one, not known to have exited (no poll here: reaping is the loop's)."""
+        return proc is not None and proc.returncode is None
 
     def discard(self, why: str | None) -> None:
         """Kill the waiting interpreter's group (it runs nothing yet) and reap it; ``why``

@@ -763,7 +763,7 @@ class Supervisor:
                                            f"{v.detail}")
             return
         delay = backoff_delay(self.consecutive, self.cfg.restart, self.p.rand) \
-            if counted and not (self.after_stable and self.consecutive == 1) else 0.0
+            if counted and not self.after_stable else 0.0
         self.restart_at = now + delay
         self.log.warning("restart_scheduled", cause=v.cause.value, delay=round(delay, 2),
                          restarts=self.restarts, failures_in_window=self.budget.count(now),
@@ -1003,7 +1003,7 @@ class Supervisor:
         self.note_stable(now)
         # A run that served for restart.stable_after is restarted at once (issue 10.2): one
         # fault after a long healthy period is not a crash loop; the next ones back off.
-        self.after_stable = self.state in states.SERVING_STATES and self.consecutive == 0 \
+        self.after_stable = self.state in states.SERVING_STATES \
             and self.ready_since is not None \
             and now - self.ready_since >= self.cfg.restart.stable_after
         self.failure = verdict
@@ -1167,8 +1167,13 @@ def _health_job(probe: ProbeLike, timeout: float, owner: Callable[[], PortOwner]
     """/health while loading, and whose 200 it was (found here, off the loop, as _PollJob)."""
     def job() -> tuple[HealthResult, PortOwner | None]:
         health = probe.health(timeout)
-        return health, (owner() if health.ok and owner is not None else None)
+        return health, _whose(health, owner)
     return job
+
+
+def _whose(health: HealthResult, owner: Callable[[], PortOwner] | None) -> PortOwner | None:
+    """Who listens on the port, asked only for a 200 (the walk is slow: a job's thread)."""
+    return owner() if health.ok and owner is not None else None
 
 
 class _PollJob:
@@ -1189,9 +1194,7 @@ class _PollJob:
         self.metrics_sent = self.clock()  # before ``health``: the loop reads them unlocked
         self.health = health
         metrics = self.probe.metrics(self.timeout)
-        # whose 200 that was: only a 200 needs an owner
-        owner = self.owner() if health.ok and self.owner is not None else None
-        return health, metrics, owner
+        return health, metrics, _whose(health, self.owner)
 
 
 def _canary_job(probe: ProbeLike, timeout: float, metrics_timeout: float

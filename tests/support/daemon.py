@@ -46,9 +46,6 @@ def reading_stdin(pid: int) -> bool:
     return len(fields) > 1 and fields[0] in ("0", "63") and int(fields[1], 16) == 0
 
 
-F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on Linux; named here for mypy
-
-
 class Proc:
     """A process in a new session (its own process group) and its merged stdout/stderr."""
 
@@ -82,7 +79,7 @@ class Proc:
         # with vLLM busy, this reader (one thread among the test's streams) can fall seconds
         # behind: 1 MiB instead of 64 KiB of slack (Linux's default pipe-max-size).
         with contextlib.suppress(OSError):
-            fcntl.fcntl(self.proc.stdout.fileno(), F_SETPIPE_SZ, 1 << 20)
+            fcntl.fcntl(self.proc.stdout.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
         self._threads.insert(0, threading.Thread(target=self._read_lines, daemon=True))
         for t in self._threads:
             t.start()
