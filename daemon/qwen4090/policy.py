@@ -263,6 +263,14 @@ class HangDetector:
             return 0.0
         return now - self._since
 
+    def deadline(self) -> float | None:
+        """When the stall being timed would become a hang (None before the first sample).
+
+        The supervisor polls then instead of at its next poll_interval, so a hang is seen
+        hang_timeout after the last progress, not up to one poll later (issue 10).  While the
+        engine moves or idles this lies hang_timeout ahead, past the next regular poll."""
+        return None if self._since is None else self._since + self.hang_timeout
+
     def judge(self, now: float, p: Progress) -> HangVerdict:
         """Record a sample and say what the stall means."""
         stalled = self.observe(now, p)

@@ -236,6 +236,7 @@ class Supervisor:
         self.last_poll = now
         self.last_canary = now
         self.tasks: dict[str, _Task] = {}
+        self.moved = False  # the last step changed the state: the next one is due at once
         self.signals: deque[int] = deque()
         self.stop_phase: str | None = None  # drain -> term
         self.drain_deadline = now
@@ -261,13 +262,26 @@ class Supervisor:
         return self.state in states.FINAL_STATES
 
     def next_wakeup(self, now: float) -> float:
-        """Seconds the loop may sleep before the next step is due."""
+        """Seconds the loop may sleep before the next step is due.
+
+        Not a fixed tick where a deadline is known: the step after a transition runs at once
+        (a restart's PREFLIGHT waited a whole 0.5 s tick before its launch), a backoff ends on
+        time, and a poll (the hang deadline's among them) is sent when due.  A job's result
+        and a signal wake the loop themselves."""
+        if self.moved:
+            return 0.0
+        if self.state is S.RESTARTING and self.child is None and self.restart_at is not None \
+                and self.restart_at > now:
+            return min(0.2, self.restart_at - now)  # then 0.2 s ticks while the GPU frees up
         if self.state in (S.RESTARTING, S.STOPPING, S.STARTING, S.LOADING):
             return 0.2
+        if self.state in states.SERVING_STATES and "poll" not in self.tasks:
+            return min(0.5, max(0.0, self.next_poll_at() - now))
         return 0.5
 
     def step(self, now: float | None = None) -> None:
         now = self.p.clock() if now is None else now
+        before = self.state
         self.handle_signals(now)
         self.handle_gpu_faults(now)
         self.harvest(now)
@@ -275,6 +289,7 @@ class Supervisor:
         self.handle_engine_deaths(now)
         getattr(self, f"step_{self.state.value}")(now)
         self.heartbeat(now)
+        self.moved = self.state is not before
 
     def snapshot(self) -> dict[str, Any]:
         """Facts for status output (JSON-friendly)."""
@@ -573,7 +588,7 @@ class Supervisor:
     def step_ready(self, now: float) -> None:
         w = self.cfg.watch
         self.note_stable(now)
-        if now >= self.last_poll + w.poll_interval and "poll" not in self.tasks:
+        if now >= self.next_poll_at() and "poll" not in self.tasks:
             self.submit(now, "poll", _PollJob(self._probe(), w.health_timeout, self.p.clock,
                                               self._owner_check()))
             self.last_poll = now
@@ -600,6 +615,13 @@ class Supervisor:
                 self.log.warning("canary_slow", error=stuck, tokens_before=self.canary_base,
                                  tokens_after=latest, verdict="tokens moving: busy, not hung")
             self.canary_base, self.canary_judged_at = latest, now
+
+    def next_poll_at(self) -> float:
+        """The next /health + /metrics poll: poll_interval after the last one, or earlier at
+        the moment a stall being timed reaches hang_timeout (HangDetector.deadline)."""
+        due = self.last_poll + self.cfg.watch.poll_interval
+        deadline = self.hang.deadline()
+        return due if deadline is None else min(due, deadline)
 
     def check_poll_in_flight(self, now: float) -> bool:
         """A /health answer overdue is a failing probe, dated from when it was sent.

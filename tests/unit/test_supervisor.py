@@ -239,6 +239,47 @@ def test_hang_detected_within_timeout_plus_two_polls() -> None:
     assert h.log.names().count("hang_detected") == 1
 
 
+def test_hang_is_seen_at_hang_timeout_after_the_last_progress_not_a_poll_later() -> None:
+    # poll 4 s, hang 10 s: the regular polls after the last progress are 4, 8, 12 s later, so
+    # the poll at 12 s used to find the hang (2 s late); one is sent at the deadline instead.
+    h = Harness({"watch": {"poll_interval": 4.0, "hang_timeout": 10.0, "canary_interval": 0.0,
+                           "unhealthy_timeout": 8.0}})
+    h.run_until(State.READY)
+    h.probe.running = 1.0
+    for _ in range(3):
+        h.probe.tokens += 5.0
+        h.step(4.0)
+    moved_at = h.clock.t  # the last poll that saw tokens move
+    assert h.sup.hang.deadline() == moved_at + 10.0
+    h.run_until(State.RESTARTING, dt=0.25)
+    assert h.failure.cause is Cause.HANG
+    # sent at the deadline, its answer harvested a step (0.25 s) later; the old way: 12.25 s
+    assert moved_at + 10.0 <= h.clock.t <= moved_at + 10.0 + 2 * 0.25
+
+
+def test_the_loop_sleeps_until_the_next_deadline_not_a_fixed_tick() -> None:
+    h = Harness({"watch": {"poll_interval": 4.0, "hang_timeout": 10.0, "canary_interval": 0.0,
+                           "unhealthy_timeout": 8.0}})
+    h.run_until(State.READY)
+    assert h.sup.next_wakeup(h.clock.t) == 0.0  # just became READY: its first step at once
+    h.step(0.0)
+    h.step(0.1)
+    due = h.sup.next_poll_at()
+    h.clock.t = due - 0.1
+    assert h.sup.next_wakeup(h.clock.t) == pytest.approx(0.1)  # the poll, not a 0.5 s tick
+    h.child.exit(1, ["ValueError: boom"])
+    h.step(0.0, n=3)
+    assert h.sup.state == State.RESTARTING and h.sup.child is None
+    assert h.sup.restart_at is not None
+    h.clock.t = h.sup.restart_at - 0.05
+    assert h.sup.next_wakeup(h.clock.t) == pytest.approx(0.05)  # the backoff ends on time
+    h.clock.t = h.sup.restart_at + 1.0
+    h.sup.moved = False
+    assert h.sup.next_wakeup(h.clock.t) == 0.2  # overdue (the GPU still held): no busy loop
+    h.step(0.0)
+    assert h.sup.state == State.PREFLIGHT and h.sup.next_wakeup(h.clock.t) == 0.0
+
+
 def test_progress_keeps_it_ready() -> None:
     h = Harness()
     h.run_until(State.READY)
