@@ -182,10 +182,11 @@ class RestartConfig:
                                      "the first restart is immediate", min=0,
                               max=WEEK)
     # recovery (issue 10): what makes a restart shorter
-    fixed_kv_budget: bool = opt(False, "start vLLM with --kv-cache-memory-bytes = the KV cache "
-                                       "of the last start that reached READY with the same "
-                                       "settings and GPU: no memory profiling, the same KV "
-                                       "tokens every start (ignores gpu_memory_utilization)")
+    fixed_kv_budget: bool = opt(True, "start vLLM with --kv-cache-memory-bytes = the KV cache "
+                                      "of the first start that reached READY with the same "
+                                      "settings, GPU and vLLM: no memory profiling, the same "
+                                      "KV tokens every start (a start given it that fails "
+                                      "forgets it)")
     readahead: bool = opt(True, "at each launch, read the model's weight files into the page "
                                 "cache while vLLM imports (skipped when they exceed half of "
                                 "the available memory)")

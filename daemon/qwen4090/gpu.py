@@ -170,7 +170,7 @@ class GpuParts:
         """READY: keep the KV-cache bytes vLLM sized for the next launch (fixed_kv_budget)."""
         store = kvbudget.KvBudget(learned.state_dir(launched.config, self.env))
         per_token = launched.plan.kv_bytes_per_token if launched.plan is not None else None
-        return store.record(launched.config, launched.fingerprint, report, per_token)
+        return store.record(launched.config, launched.kv_base, report, per_token)
 
     def forget_kv(self, launched: Launch) -> bool:
         """A start given the KV budget failed: the next one profiles again."""

@@ -1,4 +1,4 @@
-"""A fixed KV-cache budget from the last good start (``restart.fixed_kv_budget``, opt-in).
+"""A fixed KV-cache budget from the first good start (``restart.fixed_kv_budget``, on).
 
 Why: vLLM sizes its KV cache by profiling at every start, and the answer depends on what else
 the start did (on the H200, 30,160 tokens with a cold compile cache vs 34,672 warm for the same

@@ -58,6 +58,7 @@ class Facts:
     model: ModelFacts | str = "no GPU to plan for"  # a str says why there is no plan
     learned: Mapping[str, Any] = field(default_factory=dict)  # learned.json
     kv_budget: Mapping[str, Any] = field(default_factory=dict)  # kv_budget.json
+    runtime: str = ""  # "vllm 0.26.0" of vllm.command's venv (the KV budget belongs to it)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ class Launch:
     argv: tuple[str, ...]  # its command line (child.render_argv of config.vllm)
     settings: dict[str, Setting]  # LIMIT_KEYS (+ KV_KEY when given): value and origin
     gpu: GpuMemory | str  # the one GPU description; a str says why there is none
-    fingerprint: dict[str, Any]  # what learned settings (and the KV budget) belong to
+    fingerprint: dict[str, Any]  # what learned settings belong to
+    kv_base: dict[str, Any] = field(default_factory=dict)  # ... and the KV budget (+ runtime)
     plan: Plan | None = None
     no_plan: str = ""  # why there is no plan (when the GPU is known)
     learned: tuple[str, ...] = ()  # one line per learned value applied or ignored
@@ -97,7 +99,18 @@ def read_facts(cfg: Config, env: Mapping[str, str], gpu: GpuMemory | str | None 
         model = read_model(cfg) if isinstance(gpu, GpuMemory) else "no GPU to plan for"
     state = learned.state_dir(cfg, env)
     kv = kvbudget.KvBudget(state).read() if cfg.restart.fixed_kv_budget else {}
-    return Facts(gpu, model, learned.LearnedStore(state).read(), kv)
+    return Facts(gpu, model, learned.LearnedStore(state).read(), kv,
+                 runtime_of(cfg) if cfg.restart.fixed_kv_budget else "")
+
+
+def runtime_of(cfg: Config) -> str:
+    """vLLM's package and version in vllm.command's venv ("" when unknown): another vLLM may
+    profile another KV size, so a budget is kept per version (an upgrade profiles again)."""
+    from qwen4090 import provision
+
+    venv = provision.venv_of(cfg.vllm.command)
+    found = provision.runtime_version(venv) if venv is not None else None
+    return " ".join(found) if found else ""
 
 
 def read_model(cfg: Config) -> ModelFacts | str:
@@ -134,12 +147,14 @@ def resolve(cfg: Config, facts: Facts) -> Launch:
     for k in _changed(taught, chosen):
         assert the_plan is not None
         settings[k] = Setting(getattr(chosen.vllm, k), Origin.PLAN, the_plan.chosen.get(k, ""))
-    n, kv_note = kvbudget.budget(chosen, facts.kv_budget, fp)
+    kv_base = {**fp, "runtime": facts.runtime}
+    n, kv_note = kvbudget.budget(chosen, facts.kv_budget, kv_base)
     if n is not None:
         settings[KV_KEY] = Setting(n, Origin.KV_BUDGET, kv_note or "")
         chosen = kvbudget.with_budget(chosen, n)
     return Launch(config=chosen, argv=tuple(render_argv(chosen.vllm)), settings=settings,
-                  gpu=facts.gpu, fingerprint=fp, plan=the_plan, no_plan=no_plan,
+                  gpu=facts.gpu, fingerprint=fp, kv_base=kv_base, plan=the_plan,
+                  no_plan=no_plan,
                   learned=tuple(notes), kv_budget=n, kv_note=kv_note)
 
 

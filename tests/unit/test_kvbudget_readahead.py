@@ -25,14 +25,16 @@ def ready(kv_bytes: int | None = 4 * GIB) -> dict[str, Any]:
     return {"outcome": "ready", "kv_bytes": kv_bytes, "kv_tokens": 30160}
 
 
-def resolve(kv: KvBudget, c: Config, gpu: str = "H200") -> Launch:
+def resolve(kv: KvBudget, c: Config, gpu: str = "H200", runtime: str = "vllm 0.26.0"
+            ) -> Launch:
     """What the daemon's preflight does with the budget on disk (launch.py)."""
-    return launch.resolve(c, launch.Facts(GpuMemory(80 * GIB, gpu), kv_budget=kv.read()))
+    return launch.resolve(c, launch.Facts(GpuMemory(80 * GIB, gpu), kv_budget=kv.read(),
+                                          runtime=runtime))
 
 
 def record(kv: KvBudget, launched: Launch, report: dict[str, Any]) -> bool:
     """What the daemon does at READY (gpu.GpuParts.remember_kv)."""
-    return kv.record(launched.config, launched.fingerprint, report)
+    return kv.record(launched.config, launched.kv_base, report)
 
 
 def test_the_next_launch_gets_the_bytes_of_the_last_good_start(tmp_path: Path) -> None:
@@ -61,7 +63,7 @@ def test_the_budget_is_the_exact_bytes_of_the_tokens_when_the_plan_knows_them(
     assert exact_bytes(reported, tokens, 2 * per_token) == reported  # the plan is off: keep it
     kv = KvBudget(tmp_path)
     first = resolve(kv, cfg())
-    assert kv.record(first.config, first.fingerprint,
+    assert kv.record(first.config, first.kv_base,
                      {"kv_bytes": reported, "kv_tokens": tokens}, per_token)
     assert kv.read()["kv_cache_memory_bytes"] == 5_680_660_480
 
@@ -73,15 +75,21 @@ def test_other_settings_or_gpu_do_not_get_it(tmp_path: Path) -> None:
     assert FLAG not in other.config.vllm.extra_args
     assert other.kv_note and "other settings" in other.kv_note
     assert FLAG not in resolve(kv, cfg(), "RTX 4090").config.vllm.extra_args
+    # another vLLM may profile another size: an upgrade profiles again
+    upgraded = resolve(kv, cfg(), runtime="vllm 0.32.0")
+    assert FLAG not in upgraded.config.vllm.extra_args and "other settings" in (
+        upgraded.kv_note or "")
 
 
-def test_off_by_default_and_the_sysadmins_own_flag_wins(tmp_path: Path) -> None:
+def test_on_by_default_off_when_asked_and_the_sysadmins_own_flag_wins(tmp_path: Path) -> None:
     kv = KvBudget(tmp_path)
-    record(kv, resolve(kv, cfg()), ready())
     plain = from_dict({"vllm": {"model": "/m"}})
-    assert not plain.restart.fixed_kv_budget
-    got = resolve(kv, plain)
-    assert (got.config, got.kv_note) == (plain, None)
+    assert plain.restart.fixed_kv_budget  # issue 10: the same KV tokens on every start
+    record(kv, resolve(kv, plain), ready())
+    assert resolve(kv, plain).config.vllm.extra_args[-2:] == [FLAG, str(4 * GIB)]
+    off = from_dict({"vllm": {"model": "/m"}, "restart": {"fixed_kv_budget": False}})
+    got = resolve(kv, off)
+    assert (got.config, got.kv_note) == (off, None)
     own = cfg(extra_args=[FLAG + "=123"])
     got = resolve(kv, own)
     assert (got.config, got.kv_note) == (own, None)
@@ -96,6 +104,17 @@ def test_a_failed_start_with_the_budget_forgets_it(tmp_path: Path) -> None:
     assert kv.forget(resolve(kv, cfg()).kv_budget)
     got = resolve(kv, cfg())
     assert (got.config, got.kv_note) == (cfg(), None)
+
+
+def test_the_runtime_is_read_from_the_commands_venv(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    meta = venv / "lib/python3.12/site-packages/vllm-0.26.0.dist-info"
+    meta.mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.26.0\n")
+    c = from_dict({"vllm": {"model": "/m", "command": [str(venv / "bin/python"), "-m", "x"]}})
+    assert launch.runtime_of(c) == "vllm 0.26.0"
+    assert launch.runtime_of(from_dict({"vllm": {"model": "/m", "command": ["vllm"]}})) == ""
 
 
 def test_a_torn_file_means_profile(tmp_path: Path) -> None:
