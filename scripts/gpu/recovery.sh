@@ -17,11 +17,21 @@
 #   bash scripts/gpu/recovery.sh compare   kill-engine with vLLM's spawned EngineCore (the old
 #                                          default), forked without preimport, and the fixed KV
 #                                          budget with preimport                      (~7 min)
+# The fifth sitting's two stages (after the deadline-driven loop and the fixed KV budget on by
+# default), both with restart.preimport = true:
+#   bash scripts/gpu/recovery.sh fifth-a   kill-engine, each from an empty compile cache: with
+#                                          VLLM_USE_MEGA_AOT_ARTIFACT=1 (vLLM's default only from
+#                                          torch 2.12; the image has 2.11) and without; writes
+#                                          which loads faster to /tmp/qwen4090_fifth_choice (~7 min)
+#   bash scripts/gpu/recovery.sh fifth-b   kill-engine, kill-api, hang in the faster one's warm
+#                                          cache, restart.stable_after = 10 s: each fault comes
+#                                          after a healthy period, as a fault after the default
+#                                          300 s would in the field                     (~6 min)
 # Results: $OUT/recovery-<stage>.json (+ .log); docs/recovery.md says how to read them.
 # Env: OUT, QWEN4090_GPU_MODEL, CACHE (VLLM_CACHE_ROOT, default /tmp/qwen4090_recovery_cache).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
-stage=${1:?usage: recovery.sh cold|crash|hang|kvbudget|env|fast|compare}
+stage=${1:?usage: recovery.sh cold|crash|hang|kvbudget|env|fast|compare|fifth-a|fifth-b}
 OUT=${OUT:-/tmp/qwen4090_gpu_out}
 CACHE=${CACHE:-/tmp/qwen4090_recovery_cache}
 mkdir -p "$OUT"
@@ -88,6 +98,32 @@ case $stage in
     T=150 bench fork --scenarios kill-engine
     T=150 bench kvbudget-pre --scenarios kill-engine --set restart.fixed_kv_budget=true \
       --set restart.preimport=true ;;
+  fifth-a)
+    CACHE=/tmp/qwen4090_cache_mega T=270 bench mega --scenarios kill-engine \
+      --set restart.preimport=true --env VLLM_USE_MEGA_AOT_ARTIFACT=1
+    CACHE=/tmp/qwen4090_cache_plain T=270 bench plain --scenarios kill-engine \
+      --set restart.preimport=true
+    python3 - "$OUT" <<'PY' | tee /tmp/qwen4090_fifth_choice.txt
+import json, sys
+def load(name):
+    try:
+        r = json.load(open(f"{sys.argv[1]}/recovery-{name}.json"))["results"][0]
+        t = r["restart_startup_timeline"]
+        return t["took"]["compiled"] if t.get("compile_cache") == "hit" else None, r
+    except (OSError, KeyError, IndexError, ValueError, TypeError):
+        return None, None
+mega, plain = load("mega")[0], load("plain")[0]
+pick = "mega" if mega is not None and (plain is None or mega < plain - 1.0) else "plain"
+print(f"compile on the warm restart: mega {mega} s, plain {plain} s -> {pick}")
+open("/tmp/qwen4090_fifth_choice", "w").write(pick)
+PY
+    ;;
+  fifth-b)
+    pick=$(cat /tmp/qwen4090_fifth_choice 2>/dev/null || echo plain)
+    extra=(); [ "$pick" = mega ] && extra=(--env VLLM_USE_MEGA_AOT_ARTIFACT=1)
+    echo "fifth-b: the $pick cache and env"
+    CACHE=/tmp/qwen4090_cache_$pick T=560 bench fifth --scenarios kill-engine,kill-api,hang \
+      --set restart.preimport=true --set restart.stable_after=10 "${extra[@]}" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 # At most 8 files come back from $OUT: the JSON results stay, the logs go into one archive
