@@ -1040,6 +1040,12 @@ class Supervisor:
             # A hung engine will not shut down politely: no term_timeout wait for it.
             self.begin_kill(now, hurry="hang: the engine makes no progress"
                             if verdict.cause == Cause.HANG else None)
+            if self.child.poll() is not None and self.child.group_alive():
+                # The API server is gone: what is left of its group (the EngineCore) serves
+                # nobody, and vLLM's own shutdown force-kills it too ("Process manager: force
+                # killing remaining processes").  Its SIGTERM teardown took 1.3 s of an
+                # API-server kill's restart on the H200 (issue 10).
+                self.kill_group(now, "the API server is gone; its EngineCore serves nobody")
         else:
             self.after_child_gone(now)
 
@@ -1072,14 +1078,18 @@ class Supervisor:
         if self.killed_at is None:
             why = self.kill_reason(now)
             if why is not None:
-                self.log.warning("group_kill", reason=why, pgid=self.child.pid)
-                self.child.signal_group(signal.SIGKILL)
-                self.killed_at = now
+                self.kill_group(now, why)
         if self.killed_at is not None and now - self.killed_at > KILL_WAIT:
             self.log.error("group_survives_kill", pids=self.child.group_members())
             self.group_gone_at = now
             return True
         return False
+
+    def kill_group(self, now: float, why: str) -> None:
+        assert self.child is not None
+        self.log.warning("group_kill", reason=why, pgid=self.child.pid)
+        self.child.signal_group(signal.SIGKILL)
+        self.killed_at = now
 
     def kill_reason(self, now: float) -> str | None:
         """Why SIGKILL is due now (None: keep waiting for the group to end by itself)."""

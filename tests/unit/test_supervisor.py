@@ -280,6 +280,20 @@ def test_the_loop_sleeps_until_the_next_deadline_not_a_fixed_tick() -> None:
     assert h.sup.state == State.PREFLIGHT and h.sup.next_wakeup(h.clock.t) == 0.0
 
 
+def test_the_engine_left_behind_by_a_dead_api_server_is_killed_at_once() -> None:
+    # SIGKILL of the API server: its EngineCore lives on, serving nobody; SIGTERM let it tear
+    # down for 1.3 s on the H200 before the restart could begin.
+    h = Harness()
+    h.run_until(State.READY)
+    c = h.child
+    c.rc, c.ignores_term = -9, True  # the leader is dead, the group (its EngineCore) is not
+    h.step(0.1)
+    assert h.sup.state == State.RESTARTING
+    assert c.signals[-1] == signal.SIGKILL and not c.alive
+    kills = [kw for _, e, kw in h.log.events if e == "group_kill"]
+    assert len(kills) == 1 and "API server is gone" in kills[0]["reason"]
+
+
 def test_progress_keeps_it_ready() -> None:
     h = Harness()
     h.run_until(State.READY)
