@@ -267,8 +267,13 @@ def test_the_loop_sleeps_until_the_next_deadline_not_a_fixed_tick() -> None:
     due = h.sup.next_poll_at()
     h.clock.t = due - 0.1
     assert h.sup.next_wakeup(h.clock.t) == pytest.approx(0.1)  # the poll, not a 0.5 s tick
+    h.child.closed = False  # the group is gone, its last lines still in the pipes
     h.child.exit(1, ["ValueError: boom"])
-    h.step(0.0, n=3)
+    h.step(0.0, n=2)
+    assert h.sup.state == State.RESTARTING and h.sup.child is not None
+    assert h.sup.next_wakeup(h.clock.t) == 0.02  # not a 0.2 s tick for them
+    h.child.closed = True
+    h.step(0.0)
     assert h.sup.state == State.RESTARTING and h.sup.child is None
     assert h.sup.restart_at is not None
     h.clock.t = h.sup.restart_at - 0.05
