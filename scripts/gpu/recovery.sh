@@ -27,11 +27,13 @@
 #                                          cache, restart.stable_after = 10 s: each fault comes
 #                                          after a healthy period, as a fault after the default
 #                                          300 s would in the field                     (~6 min)
+#   bash scripts/gpu/recovery.sh fifth-c   kill-engine from an empty cache with no --set/--env:
+#                                          the mega artifact as child.DEFAULT_ENV sets it (~4 min)
 # Results: $OUT/recovery-<stage>.json (+ .log); docs/recovery.md says how to read them.
 # Env: OUT, QWEN4090_GPU_MODEL, CACHE (VLLM_CACHE_ROOT, default /tmp/qwen4090_recovery_cache).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
-stage=${1:?usage: recovery.sh cold|crash|hang|kvbudget|env|fast|compare|fifth-a|fifth-b}
+stage=${1:?usage: recovery.sh cold|crash|hang|kvbudget|env|fast|compare|fifth-a|fifth-b|fifth-c}
 OUT=${OUT:-/tmp/qwen4090_gpu_out}
 CACHE=${CACHE:-/tmp/qwen4090_recovery_cache}
 mkdir -p "$OUT"
@@ -124,6 +126,8 @@ PY
     echo "fifth-b: the $pick cache and env"
     CACHE=/tmp/qwen4090_cache_$pick T=560 bench fifth --scenarios kill-engine,kill-api,hang \
       --set restart.preimport=true --set restart.stable_after=10 "${extra[@]}" ;;
+  fifth-c)  # the product's defaults alone (mega artifact from child.DEFAULT_ENV), cold cache
+    CACHE=/tmp/qwen4090_cache_default T=300 bench default --scenarios kill-engine ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 # At most 8 files come back from $OUT: the JSON results stay, the logs go into one archive

@@ -57,6 +57,19 @@ def test_engine_core_is_forked_unless_someone_says_otherwise() -> None:
     assert render_env(v, {}, None)["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
 
 
+def test_the_mega_aot_artifact_is_on_unless_the_sysadmin_says_or_vllm_could_not_start() -> None:
+    assert render_env(VllmConfig(), {}, None)["VLLM_USE_MEGA_AOT_ARTIFACT"] == "1"
+    off = from_dict({"vllm": {"env": {"VLLM_USE_MEGA_AOT_ARTIFACT": "0"}}}).vllm
+    assert render_env(off, {}, None)["VLLM_USE_MEGA_AOT_ARTIFACT"] == "0"
+    assert render_env(VllmConfig(), {"VLLM_USE_MEGA_AOT_ARTIFACT": "0"},
+                      None)["VLLM_USE_MEGA_AOT_ARTIFACT"] == "0"
+    # vLLM asserts standalone compile with it: without, our default is left out
+    nostandalone = from_dict({"vllm": {"env": {"VLLM_USE_STANDALONE_COMPILE": "0"}}}).vllm
+    assert "VLLM_USE_MEGA_AOT_ARTIFACT" not in render_env(nostandalone, {}, None)
+    assert "VLLM_USE_MEGA_AOT_ARTIFACT" not in render_env(
+        VllmConfig(), {"VLLM_USE_STANDALONE_COMPILE": "0"}, None)
+
+
 def wait_until(cond: Any, timeout: float = 10.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
