@@ -621,10 +621,12 @@ class Supervisor:
 
     def next_poll_at(self) -> float:
         """The next /health + /metrics poll: poll_interval after the last one, or earlier at
-        the moment a stall being timed reaches hang_timeout (HangDetector.deadline)."""
+        the moment a stall being timed reaches hang_timeout (HangDetector.deadline) -- once:
+        a deadline already polled for (the stall's clock is not reset while /health fails)
+        must not bring each next poll forward."""
         due = self.last_poll + self.cfg.watch.poll_interval
         deadline = self.hang.deadline()
-        return due if deadline is None else min(due, deadline)
+        return deadline if deadline is not None and self.last_poll < deadline < due else due
 
     def check_poll_in_flight(self, now: float) -> bool:
         """A /health answer overdue is a failing probe, dated from when it was sent.

@@ -257,6 +257,35 @@ def test_hang_is_seen_at_hang_timeout_after_the_last_progress_not_a_poll_later()
     assert moved_at + 10.0 <= h.clock.t <= moved_at + 10.0 + 2 * 0.25
 
 
+def test_a_stale_hang_deadline_sends_one_poll_not_one_per_step() -> None:
+    # /health fails after the last progress, so the stall's clock is never reset: its deadline
+    # lies in the past, and each step would poll again (vLLM hammered until unhealthy_timeout).
+    h = Harness({"watch": {"poll_interval": 4.0, "hang_timeout": 10.0, "canary_interval": 0.0,
+                           "unhealthy_timeout": 30.0}})
+    h.run_until(State.READY)
+    h.probe.running = 1.0
+    for _ in range(3):
+        h.probe.tokens += 5.0
+        h.step(4.0)
+    moved_at = h.clock.t
+    calls: list[float] = []
+    health = h.probe.health
+
+    def counted(timeout: float) -> Any:
+        calls.append(h.clock.t)
+        return health(timeout)
+
+    h.probe.health = counted  # type: ignore[method-assign]
+    h.probe.healthy = False
+    h.probe.metrics = lambda timeout: MetricsResult(  # type: ignore[method-assign]
+        False, error="connection refused")
+    while h.clock.t < moved_at + 20.0:
+        h.step(0.25)
+    assert h.sup.state == State.DEGRADED
+    late = [t for t in calls if t > moved_at + 10.5]
+    assert len(late) <= 3  # the regular polls at 12-ish, 16-ish, 20-ish; not one per step
+
+
 def test_the_loop_sleeps_until_the_next_deadline_not_a_fixed_tick() -> None:
     h = Harness({"watch": {"poll_interval": 4.0, "hang_timeout": 10.0, "canary_interval": 0.0,
                            "unhealthy_timeout": 8.0}})
