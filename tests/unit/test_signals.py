@@ -18,6 +18,7 @@ def readable(w: signals.Wakeup, limit: float = 5.0) -> bool:
 def test_a_childs_end_wakes_the_loop_without_a_command() -> None:
     w = signals.Wakeup()
     got: list[int] = []
+    saved = {sig: signal.getsignal(sig) for sig in (*signals.HANDLED, *signals.WAKE_ONLY)}
     signals.install(got.append, w)
     try:
         p = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -30,4 +31,7 @@ def test_a_childs_end_wakes_the_loop_without_a_command() -> None:
     finally:
         signals.restore()
         w.close()
-    assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
+        restored = signal.getsignal(signal.SIGCHLD)
+        for sig, handler in saved.items():  # pytest's own (its SIGINT handler among them)
+            signal.signal(sig, handler)
+    assert restored == signal.SIG_DFL
