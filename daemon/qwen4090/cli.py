@@ -23,6 +23,11 @@ from qwen4090.commands import config_arg, config_error
 from qwen4090.config import Config, ConfigError
 from qwen4090.policy import EX_CONFIG, EX_SOFTWARE, EXIT_CODES
 
+# sd_notify messages systemd has not taken yet (notify.Notifier.flush): tried again this soon,
+# and at the exit for at most this long (STOPPING=1 and the last STATUS= should reach it).
+NOTIFY_RETRY = 0.05
+NOTIFY_EXIT_WAIT = 1.0
+
 # --- check-config -----------------------------------------------------------------------------
 
 
@@ -214,7 +219,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         while not sup.done:
             sup.step()
             api.beat()
-            wake.wait(sup.next_wakeup(time.monotonic()))
+            # sd_notify never blocks the loop: what systemd has not taken yet goes out soon
+            pause = sup.next_wakeup(time.monotonic())
+            wake.wait(pause if notifier.flush() else min(pause, NOTIFY_RETRY))
     except Exception as e:
         from qwen4090.redact import safe_error
 
@@ -230,6 +237,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         pre.discard("stopping")
         inst.close(group_gone=sup.child is None or not sup.child.group_alive())
     code = sup.exit_code if sup.exit_code is not None else EX_SOFTWARE
+    until = time.monotonic() + NOTIFY_EXIT_WAIT
+    while not notifier.flush() and time.monotonic() < until:
+        time.sleep(NOTIFY_RETRY)
     log.info("exiting", exit_code=code, state=sup.state.value)
     return code
 

@@ -11,10 +11,14 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 
 # Variables a child must never inherit: vLLM would otherwise be able to speak for us.
 NOTIFY_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+# Messages kept while the receiver does not read (a datagram socket holds only
+# net.unix.max_dgram_qlen = 10 unread ones; then a blocking send blocks the loop).
+MAX_PENDING = 64
 
 
 class Notifier:
@@ -26,29 +30,61 @@ class Notifier:
         self._on_error = on_error
         self._error_reported = False
         self._sock: socket.socket | None = None
-        self.sent: list[str] = []  # the last messages, for status and tests
+        self._pending: deque[str] = deque()  # accepted, not yet taken by the receiver
+        self.sent: list[str] = []  # the last messages accepted, for status and tests
 
     @property
     def enabled(self) -> bool:
         return self.address is not None
 
+    @property
+    def pending(self) -> int:
+        """Messages still waiting for the receiver (the loop calls :meth:`flush` soon)."""
+        return len(self._pending)
+
     def notify(self, *fields: str) -> bool:
+        """Send, never blocking the caller (the supervisor's loop).
+
+        A receiver that does not read (systemd busy; a test's reader starved of CPU) used to
+        block ``sendto`` once 10 datagrams waited: the loop stood still, and a 3 s drain ended
+        5 s late without one sample (CI).  Now what cannot go out waits here, in order, and
+        :meth:`flush` sends it later; a newer STATUS= replaces an older one still waiting.
+        False when the message could not be sent (now or later: no receiver at all).
+        """
         if not self.address:
             return False
         payload = "\n".join(fields)
+        if _status_only(payload):
+            self._pending = deque(p for p in self._pending if not _status_only(p))
+        self._pending.append(payload)
+        while len(self._pending) > MAX_PENDING:
+            self._pending.popleft()
+        self.sent = [*self.sent[-20:], payload]
+        return self.flush() or self._sock is not None
+
+    def flush(self) -> bool:
+        """Send what waits, in order, without blocking; True when nothing is left."""
         addr = self.address
+        if not addr:
+            return True
         if addr.startswith("@"):
             addr = "\0" + addr[1:]  # abstract namespace
-        try:
-            if self._sock is None:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._sock.sendto(payload.encode(), addr)
-        except OSError as e:
-            if self._on_error and not self._error_reported:
-                self._error_reported = True
-                self._on_error(f"sd_notify to {self.address} failed: {e}")
-            return False
-        self.sent = [*self.sent[-20:], payload]
+        while self._pending:
+            try:
+                if self._sock is None:
+                    self._sock = socket.socket(socket.AF_UNIX,
+                                               socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                self._sock.sendto(self._pending[0].encode(), socket.MSG_DONTWAIT, addr)
+            except BlockingIOError:
+                return False  # the receiver's queue is full: later
+            except OSError as e:
+                self._pending.clear()  # no receiver (gone, wrong path): nothing will take it
+                self.close()
+                if self._on_error and not self._error_reported:
+                    self._error_reported = True
+                    self._on_error(f"sd_notify to {self.address} failed: {e}")
+                return False
+            self._pending.popleft()
         return True
 
     # The messages we use, by name.
@@ -76,6 +112,10 @@ class Notifier:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def _status_only(payload: str) -> bool:
+    return payload.startswith("STATUS=") and "\n" not in payload
 
 
 def _watchdog_interval(env: Mapping[str, str]) -> float | None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,3 +74,36 @@ def test_child_environment_drops_notify_variables() -> None:
     env = child_environment({"NOTIFY_SOCKET": "x", "WATCHDOG_USEC": "1", "WATCHDOG_PID": "2",
                              "PATH": "/bin"})
     assert env == {"PATH": "/bin"}
+
+
+def test_a_receiver_that_does_not_read_never_blocks_the_sender(notify_socket: Any) -> None:
+    # A datagram socket holds 10 unread messages (net.unix.max_dgram_qlen); the 11th send used
+    # to block the supervisor's loop until the receiver read (a CI drain ended 5 s late).
+    name, sock = notify_socket
+    n = Notifier({"NOTIFY_SOCKET": name})
+    results: list[bool] = []
+
+    def burst() -> None:
+        results.append(n.ready("ready: tiny"))
+        for i in range(30):
+            results.append(n.status(f"loading ({i}s)"))
+        results.append(n.stopping("stopping"))
+        results.append(n.status("stopping: drain (1s)"))
+
+    t = threading.Thread(target=burst, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "a send blocked"
+    assert all(results) and n.pending > 0
+    got: list[list[str]] = []
+    sock.settimeout(1.0)
+    while n.pending or not got or got[-1] != ["STATUS=stopping: drain (1s)"]:
+        got.append(recv(sock))
+        n.flush()  # what the loop does each step
+    # in order; the protocol messages all there; a STATUS= still waiting gave way to a newer one
+    assert got[0] == ["READY=1", "STATUS=ready: tiny"]
+    assert ["STOPPING=1", "STATUS=stopping"] in got
+    assert got.index(["STOPPING=1", "STATUS=stopping"]) < len(got) - 1
+    statuses = [m[0] for m in got if len(m) == 1]
+    assert len(statuses) < 30 and statuses[-1] == "STATUS=stopping: drain (1s)"
+    n.close()
