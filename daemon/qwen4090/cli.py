@@ -27,6 +27,9 @@ from qwen4090.policy import EX_CONFIG, EX_SOFTWARE, EXIT_CODES
 # and at the exit for at most this long (STOPPING=1 and the last STATUS= should reach it).
 NOTIFY_RETRY = 0.05
 NOTIFY_EXIT_WAIT = 1.0
+# A step of the loop that took this long means the supervisor itself stood still (a blocked
+# write to a slow journald, say): said in the journal, since every timer was late meanwhile.
+LOOP_STALL = 2.0
 
 # --- check-config -----------------------------------------------------------------------------
 
@@ -217,8 +220,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     signals.install(sup.deliver, wake)
     try:
         while not sup.done:
+            began = time.monotonic()
             sup.step()
             api.beat()
+            if (took := time.monotonic() - began) > LOOP_STALL:
+                log.warning("loop_stalled", seconds=round(took, 1), state=sup.state.value,
+                            notify_pending=notifier.pending)
             # sd_notify never blocks the loop: what systemd has not taken yet goes out soon
             pause = sup.next_wakeup(time.monotonic())
             wake.wait(pause if notifier.flush() else min(pause, NOTIFY_RETRY))
