@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 # Variables a child must never inherit: vLLM would otherwise be able to speak for us.
 NOTIFY_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 # Messages kept while the receiver does not read (a datagram socket holds only
-# net.unix.max_dgram_qlen = 10 unread ones; then a blocking send blocks the loop).
+# net.unix.max_dgram_qlen unread ones: the kernel's 10, 512 where systemd's sysctl.d sets it;
+# then a blocking send blocks the loop).
 MAX_PENDING = 64
 
 
@@ -46,8 +47,8 @@ class Notifier:
         """Send, never blocking the caller (the supervisor's loop).
 
         A receiver that does not read (systemd busy; a test's reader starved of CPU) used to
-        block ``sendto`` once 10 datagrams waited: the loop stood still, and a 3 s drain ended
-        5 s late without one sample (CI).  Now what cannot go out waits here, in order, and
+        block ``sendto`` once max_dgram_qlen datagrams waited, and with it the loop.  Now what
+        cannot go out waits here, in order, and
         :meth:`flush` sends it later; a newer STATUS= replaces an older one still waiting.
         False when the message could not be sent (now or later: no receiver at all).
         """
