@@ -55,13 +55,14 @@ class Notifier:
         if not self.address:
             return False
         payload = "\n".join(fields)
-        if _status_only(payload):
+        if self._pending and _status_only(payload):
             self._pending = deque(p for p in self._pending if not _status_only(p))
         self._pending.append(payload)
         while len(self._pending) > MAX_PENDING:
             self._pending.popleft()
         self.sent = [*self.sent[-20:], payload]
-        return self.flush() or self._sock is not None
+        self.flush()
+        return self._sock is not None  # sent or waiting; flush drops the socket when none listens
 
     def flush(self) -> bool:
         """Send what waits, in order, without blocking; True when nothing is left."""

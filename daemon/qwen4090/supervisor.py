@@ -580,11 +580,15 @@ class Supervisor:
             self.p.notifier.status(status)
         self.last_status = status
 
+    def served_stably(self, now: float) -> bool:
+        """This run has been serving for restart.stable_after."""
+        return self.state in states.SERVING_STATES and self.ready_since is not None \
+            and now - self.ready_since >= self.cfg.restart.stable_after
+
     def note_stable(self, now: float) -> None:
         """A run READY for restart.stable_after starts the backoff over."""
-        if self.consecutive and self.state in states.SERVING_STATES \
-                and self.ready_since is not None \
-                and now - self.ready_since >= self.cfg.restart.stable_after:
+        if self.consecutive and self.served_stably(now):
+            assert self.ready_since is not None
             self.log.info("stable", seconds=round(now - self.ready_since), backoff_reset=True)
             self.consecutive = 0
 
@@ -1030,9 +1034,7 @@ class Supervisor:
         self.note_stable(now)
         # A run that served for restart.stable_after is restarted at once (issue 10.2): one
         # fault after a long healthy period is not a crash loop; the next ones back off.
-        self.after_stable = self.state in states.SERVING_STATES \
-            and self.ready_since is not None \
-            and now - self.ready_since >= self.cfg.restart.stable_after
+        self.after_stable = self.served_stably(now)
         self.failure = verdict
         level = self.log.info if verdict.cause in NOT_FAILURES else self.log.error
         level("vllm_failed", cause=verdict.cause.value, detail=verdict.detail,

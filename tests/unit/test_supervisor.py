@@ -239,17 +239,29 @@ def test_hang_detected_within_timeout_plus_two_polls() -> None:
     assert h.log.names().count("hang_detected") == 1
 
 
-def test_hang_is_seen_at_hang_timeout_after_the_last_progress_not_a_poll_later() -> None:
-    # poll 4 s, hang 10 s: the regular polls after the last progress are 4, 8, 12 s later, so
-    # the poll at 12 s used to find the hang (2 s late); one is sent at the deadline instead.
+def slow_polls(unhealthy_timeout: float) -> Harness:
+    """READY with polls 4 s apart and hang_timeout 10 s (no canary)."""
     h = Harness({"watch": {"poll_interval": 4.0, "hang_timeout": 10.0, "canary_interval": 0.0,
-                           "unhealthy_timeout": 8.0}})
+                           "unhealthy_timeout": unhealthy_timeout}})
     h.run_until(State.READY)
+    return h
+
+
+def stall_after_progress(h: Harness) -> float:
+    """One request running, tokens moving for three polls; then frozen.  Returns the time of
+    the last poll that saw them move (where the stall's clock starts)."""
     h.probe.running = 1.0
     for _ in range(3):
         h.probe.tokens += 5.0
         h.step(4.0)
-    moved_at = h.clock.t  # the last poll that saw tokens move
+    return h.clock.t
+
+
+def test_hang_is_seen_at_hang_timeout_after_the_last_progress_not_a_poll_later() -> None:
+    # poll 4 s, hang 10 s: the regular polls after the last progress are 4, 8, 12 s later, so
+    # the poll at 12 s used to find the hang (2 s late); one is sent at the deadline instead.
+    h = slow_polls(unhealthy_timeout=8.0)
+    moved_at = stall_after_progress(h)
     assert h.sup.hang.deadline() == moved_at + 10.0
     h.run_until(State.RESTARTING, dt=0.25)
     assert h.failure.cause is Cause.HANG
@@ -260,14 +272,8 @@ def test_hang_is_seen_at_hang_timeout_after_the_last_progress_not_a_poll_later()
 def test_a_stale_hang_deadline_sends_one_poll_not_one_per_step() -> None:
     # /health fails after the last progress, so the stall's clock is never reset: its deadline
     # lies in the past, and each step would poll again (vLLM hammered until unhealthy_timeout).
-    h = Harness({"watch": {"poll_interval": 4.0, "hang_timeout": 10.0, "canary_interval": 0.0,
-                           "unhealthy_timeout": 30.0}})
-    h.run_until(State.READY)
-    h.probe.running = 1.0
-    for _ in range(3):
-        h.probe.tokens += 5.0
-        h.step(4.0)
-    moved_at = h.clock.t
+    h = slow_polls(unhealthy_timeout=30.0)
+    moved_at = stall_after_progress(h)
     calls: list[float] = []
     health = h.probe.health
 
@@ -287,9 +293,7 @@ def test_a_stale_hang_deadline_sends_one_poll_not_one_per_step() -> None:
 
 
 def test_the_loop_sleeps_until_the_next_deadline_not_a_fixed_tick() -> None:
-    h = Harness({"watch": {"poll_interval": 4.0, "hang_timeout": 10.0, "canary_interval": 0.0,
-                           "unhealthy_timeout": 8.0}})
-    h.run_until(State.READY)
+    h = slow_polls(unhealthy_timeout=8.0)
     assert h.sup.next_wakeup(h.clock.t) == 0.0  # just became READY: its first step at once
     h.step(0.0)
     h.step(0.1)
