@@ -140,6 +140,9 @@ def test_killed_api_server_is_seen_at_once(daemon: Daemon) -> None:
     # seen while its EngineCore still lived: we signalled the group after noticing
     assert names.index("child_exited") < names.index("group_signalled") < names.index(
         "group_gone")
+    # its EngineCore serves nobody: killed at once, not left to its SIGTERM teardown
+    kill = daemon.event("group_kill", mark)
+    assert kill is not None and "API server is gone" in kill["reason"], kill
     ready = daemon.wait_state("ready", START_TIMEOUT, after=mark)
     assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
     record("sigkill_api_server_group_gone", gone["_t"] - t_kill)
