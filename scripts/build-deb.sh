@@ -6,29 +6,53 @@
 # pybuild-plugin-pyproject python3-all python3-setuptools, build-essential); when some are
 # missing it lists them all with the apt-get (or mk-build-deps) line and stops.
 # scripts/system-test.sh installs them. Prints the path of the .deb on its last line.
+#
+# Versions (docs/packaging.md, "Versions"): every build gets one that orders. The top entry of
+# packaging/debian/changelog is version V (pyproject.toml must say V too):
+#   V                                 released entry, built at the commit that added it, clean tree
+#   V+git<date>.<n>.<hash>            released entry, n commits later (a snapshot after V)
+#   V~git<date>.<n>.<hash>            an UNRELEASED entry (a snapshot before V)
+#   ... .d<seconds since 1970>        any of these built with uncommitted (or untracked) changes
+# <date> is the commit's date (UTC, YYYYMMDD), <n> the number of commits since the one that
+# added V's entry, <hash> the abbreviated commit. Without git: V. (Kept short: lintian warns
+# when qwen4090_<version>_amd64.buildinfo, adjusted for the architecture, passes 80 characters.)
+# One version names one content: dist/qwen4090_<version>_all.deb.src-sha256 records the
+# sha256 of the source tree each build was made from, and a build of a version already in
+# dist/ from other sources is refused (dpkg/apt would take it for the same package).
+#   sh scripts/build-deb.sh --print-version   prints the version it would build, builds nothing
 set -eu
 cd "$(dirname "$0")/.."
 # Debian's python3 first: a pyenv/venv python3 on PATH breaks pybuild ("No module named build").
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin
-# Say at once everything that is missing (a fresh Debian 12 lacks most of it), not one tool
-# per failed run.
+# dpkg-dev first: its dpkg-parsechangelog gives the version, its dpkg-checkbuilddeps the rest.
 command -v dpkg-checkbuilddeps >/dev/null 2>&1 || {
     echo "build-deb: dpkg-dev is not installed; run: sudo apt-get install --no-install-recommends" \
          "dpkg-dev, then make deb again (it will list the rest)" >&2; exit 1; }
-if ! unmet=$(dpkg-checkbuilddeps packaging/debian/control 2>&1); then
-    pkgs=$(echo "$unmet" | sed -n 's/.*[Uu]nmet build dependencies: //p' | sed -e 's/([^)]*)//g' \
-        -e 's/:native//g' -e 's/|[^ ]*//g' -e 's/debhelper-compat/debhelper/' | tr -s ' ')
-    echo "build-deb: missing build dependencies: $pkgs" >&2
-    echo "build-deb: install them with:  sudo apt-get install --no-install-recommends $pkgs" >&2
-    echo "build-deb: (or: sudo apt-get install devscripts equivs && sudo mk-build-deps -i -r -t" \
-         "'apt-get -y --no-install-recommends' packaging/debian/control)" >&2
-    exit 1
-fi
 VERSION=$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml)
 DEBVERSION=$(dpkg-parsechangelog -l packaging/debian/changelog -S Version)
 [ "$VERSION" = "$DEBVERSION" ] || {
     echo "build-deb: pyproject.toml says $VERSION but packaging/debian/changelog says $DEBVERSION;" \
          "add a changelog entry (dch -v $VERSION)" >&2; exit 1; }
+DIST=$(dpkg-parsechangelog -l packaging/debian/changelog -S Distribution)
+PKGVERSION=$VERSION
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1 && git rev-parse -q --verify HEAD >/dev/null; then
+    # the commit that gave V's entry its header line as it is now (opened it, or released it:
+    # dch -r turns UNRELEASED into unstable), and how far HEAD is from it
+    since=$(git log -1 --format=%H -S"qwen4090 ($VERSION) $DIST;" -- packaging/debian/changelog)
+    n=$(git rev-list --count ${since:+"$since"..}HEAD)
+    snap="git$(TZ=UTC0 git log -1 --date=format-local:%Y%m%d --format=%cd HEAD).$n.$(git rev-parse --short=7 HEAD)"
+    dirty=
+    [ -z "$(git status --porcelain --untracked-files=normal -- . 2>/dev/null)" ] \
+        || dirty=.d$(date +%s)
+    if [ "$DIST" = UNRELEASED ]; then
+        PKGVERSION="$VERSION~$snap$dirty"
+    elif [ -n "$since" ] && [ "$n" = 0 ] && [ -z "$dirty" ]; then
+        PKGVERSION=$VERSION
+    else
+        PKGVERSION="$VERSION+$snap$dirty"
+    fi
+fi
+if [ "${1:-}" = --print-version ]; then echo "$PKGVERSION"; exit 0; fi
 TREE=build/deb/qwen4090-$VERSION
 rm -rf build/deb
 mkdir -p "$TREE" dist
@@ -58,7 +82,40 @@ if [ ! -f "$TREE/etc/qwen4090/qwen4090.toml" ]; then
     PYTHONPATH=daemon python3 -c 'from qwen4090.config import render_toml; print(render_toml(), end="")' \
         >"$TREE/etc/qwen4090/qwen4090.toml"
 fi
+# One version, one content: the sources this build is made from, against what dist/ has.
+SRCSUM=$(cd "$TREE" && find . -type f -print0 | LC_ALL=C sort -z \
+    | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+OUTDEB=dist/qwen4090_${PKGVERSION}_all.deb
+if [ -e "$OUTDEB" ]; then
+    had=$(cat "$OUTDEB.src-sha256" 2>/dev/null || echo "(no record)")
+    [ "$had" = "$SRCSUM" ] || {
+        echo "build-deb: $OUTDEB was already built from other sources (sha256 $had, now $SRCSUM):" \
+             "a version must name one content. Commit the change (the next commit is a new" \
+             "snapshot version) or add a changelog entry (dch -v NEXT), or remove the old .deb" >&2
+        exit 1; }
+fi
+# A snapshot: its own changelog entry on top, dated like its commit (reproducible rebuilds).
+if [ "$PKGVERSION" != "$VERSION" ]; then
+    when=$(git log -1 --format=%cD HEAD)
+    { printf 'qwen4090 (%s) UNRELEASED; urgency=medium\n\n' "$PKGVERSION"
+      printf '  * Snapshot of %s at commit %s%s.\n\n' "$VERSION" "$(git rev-parse --short=12 HEAD)" \
+          "${dirty:+, with uncommitted changes}"
+      printf ' -- %s  %s\n\n' "$(dpkg-parsechangelog -l packaging/debian/changelog -S Maintainer)" "$when"
+      cat packaging/debian/changelog; } >"$TREE/debian/changelog"
+fi
+# Say at once everything that is missing (a fresh Debian 12 lacks most of it), not one tool
+# per failed run.
+if ! unmet=$(dpkg-checkbuilddeps packaging/debian/control 2>&1); then
+    pkgs=$(echo "$unmet" | sed -n 's/.*[Uu]nmet build dependencies: //p' | sed -e 's/([^)]*)//g' \
+        -e 's/:native//g' -e 's/|[^ ]*//g' -e 's/debhelper-compat/debhelper/' | tr -s ' ')
+    echo "build-deb: missing build dependencies: $pkgs" >&2
+    echo "build-deb: install them with:  sudo apt-get install --no-install-recommends $pkgs" >&2
+    echo "build-deb: (or: sudo apt-get install devscripts equivs && sudo mk-build-deps -i -r -t" \
+         "'apt-get -y --no-install-recommends' packaging/debian/control)" >&2
+    exit 1
+fi
 (cd "$TREE" && dpkg-buildpackage -us -uc -b) >build/deb/build.log 2>&1 || {
     tail -40 build/deb/build.log >&2; echo "build-deb: dpkg-buildpackage failed, log: build/deb/build.log" >&2; exit 1; }
-cp "build/deb/qwen4090_${VERSION}_all.deb" dist/
-echo "dist/qwen4090_${VERSION}_all.deb"
+cp "build/deb/qwen4090_${PKGVERSION}_all.deb" dist/
+echo "$SRCSUM" >"$OUTDEB.src-sha256"
+echo "$OUTDEB"

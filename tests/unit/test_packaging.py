@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import configparser
 import importlib.util
+import itertools
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -133,8 +135,9 @@ def test_restart_oom_and_limits(name: str) -> None:
     text = unitfile.shipped_unit(name)
     u = {k: v for k, v in unitfile.parse_unit(text)["Unit"]}
     s = {k: v for k, v in unitfile.parse_unit(text)["Service"]}
-    # exit 69 (GPU needs a reset) and 78 (config error) are never restarted
-    assert set(s["RestartPreventExitStatus"].split()) == {"69", "78"}
+    # exit 69 (GPU needs a reset), 78 (config error) and 75 (the supervisor's crash-loop budget
+    # spent: it retried already; issue 19.3) are never restarted
+    assert set(s["RestartPreventExitStatus"].split()) == {"69", "75", "78"}
     assert {int(c) for c in s["RestartPreventExitStatus"].split()} <= set(EXIT_CODES)
     # a crash loop ends failed: Burst+1 starts fit in the interval with RestartSec between
     burst, interval = int(u["StartLimitBurst"]), _sec(u["StartLimitIntervalSec"])
@@ -157,6 +160,8 @@ def test_template_instances_do_not_share_state_home_or_cache() -> None:
     assert s["CacheDirectory"] == "qwen4090/%i"
     assert env["VLLM_CACHE_ROOT"] == "/var/cache/qwen4090/%i"
     assert s["LoadCredential"] == "api_key:qwen4090-%i.api_key"
+    # each instance under its own journal identifier (issue 19.6), as postgresql@
+    assert s["SyslogIdentifier"] == "qwen4090-%i"
 
 
 def test_upgrades_never_restart_and_needrestart_leaves_units_alone() -> None:
@@ -166,10 +171,17 @@ def test_upgrades_never_restart_and_needrestart_leaves_units_alone() -> None:
     for c in calls:
         assert "--no-restart-after-upgrade" in c and "--no-stop-on-upgrade" in c
         assert "-R" not in c.split() and "--no-start" in c
+        # not enabled by the install: it would fail (no model, 78) at every boot (issue 19.6)
+        assert "--no-enable" in c
     assert "qwen4090@" in rules
     postinst = (DEBIAN / "qwen4090.postinst").read_text()
     assert "try-restart" not in postinst and "restart to use the new version" in postinst
     assert "qwen4090@*.service" in postinst
+    # --no-start drops debhelper's daemon-reload: the postinst reloads on configure, before
+    # it says what to restart (issue 19.1)
+    m = re.search(r'if \[ "\$1" = configure \][^\n]*\n\s*systemctl --system daemon-reload',
+                  postinst)
+    assert m and m.start() < postinst.index("restart to use the new version")
     conf = (ROOT / "packaging/needrestart/qwen4090.conf").read_text()
     m = re.search(r"override_rc\}->\{qr\((.*)\)\} = 0;", conf)
     assert m, conf
@@ -191,11 +203,61 @@ def test_sysusers_without_dh_sequence_installsysusers() -> None:
     assert postinst.index("systemd-sysusers") < postinst.index("#DEBHELPER#")
 
 
-def test_purge_keeps_the_models_and_says_so() -> None:
-    postrm = (DEBIAN / "qwen4090.postrm").read_text()
-    assert "! -name models" in postrm and "kept the models" in postrm
-    assert "rm -rf /var/lib/qwen4090 " not in postrm.split("then", 1)[1].split("find")[0]
+def _purge(tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """The postrm's purge with its three directories moved under tmp_path."""
+    script = (DEBIAN / "qwen4090.postrm").read_text()
+    for d in ("/var/cache/qwen4090", "/var/lib/qwen4090", "/etc/qwen4090"):
+        script = script.replace(d, str(tmp_path / d.strip("/")))
+    (tmp_path / "postrm").write_text(script.replace("#DEBHELPER#", ""))
+    return tmp_path, subprocess.run(["sh", str(tmp_path / "postrm"), "purge"],
+                                    capture_output=True, text=True)
+
+
+def _tree(root: Path) -> None:
+    for f in ("var/lib/qwen4090/models/m/config.json", "var/lib/qwen4090/learned.json",
+              "var/lib/qwen4090/gpu1/kv_budget.json", "var/lib/qwen4090/.hidden",
+              "var/cache/qwen4090/torch/x", "etc/qwen4090/qwen4090.toml"):
+        (root / f).parent.mkdir(parents=True, exist_ok=True)
+        (root / f).write_text("x")
+
+
+def test_purge_keeps_the_models_and_says_so(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    root, r = _purge(tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "kept the models in" in r.stdout
+    assert sorted(p.name for p in (root / "var/lib/qwen4090").iterdir()) == ["models"]
+    assert (root / "var/lib/qwen4090/models/m/config.json").is_file()
+    assert not (root / "var/cache/qwen4090").exists() and not (root / "etc/qwen4090").exists()
+    # without a model nothing is left
+    shutil.rmtree(root / "var/lib/qwen4090/models/m")
+    root, r = _purge(tmp_path)
+    assert r.returncode == 0 and not (root / "var/lib/qwen4090").exists()
     assert "/var/lib/qwen4090/models" in (DEBIAN / "README.Debian").read_text()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mount needs root")
+def test_purge_empties_mount_points_and_keeps_them(tmp_path: Path) -> None:
+    """/var/cache/qwen4090 or a directory in /var/lib/qwen4090 on its own file system: rm -rf
+    of a mount point fails (EBUSY), and set -e made the whole purge fail (issue 19.6)."""
+    _tree(tmp_path)
+    mounts = [tmp_path / "var/cache/qwen4090", tmp_path / "var/lib/qwen4090/gpu1"]
+    for m in mounts:
+        if subprocess.run(["mount", "-t", "tmpfs", "qwen4090-test", str(m)]).returncode != 0:
+            pytest.skip("cannot mount a tmpfs here")
+    try:
+        for m in mounts:
+            (m / "sub").mkdir()
+            (m / "sub/file").write_text("x")
+        root, r = _purge(tmp_path)
+        assert r.returncode == 0, r.stderr
+        for m in mounts:
+            assert os.path.ismount(m) and list(m.iterdir()) == []
+            assert f"{m} is a mount point" in r.stdout
+        assert sorted(p.name for p in (root / "var/lib/qwen4090").iterdir()) == ["gpu1", "models"]
+    finally:
+        for m in mounts:
+            subprocess.run(["umount", str(m)])
 
 
 def test_package_ships_examples_and_recommends_venv() -> None:
@@ -207,6 +269,123 @@ def test_package_ships_examples_and_recommends_venv() -> None:
     for step in ("install-runtime", "fetch-model", "check-config", "systemctl start qwen4090",
                  "qwen4090@"):
         assert step in readme
+
+
+def test_examples_name_where_the_package_installs_them() -> None:
+    """dh_installexamples puts them in /usr/share/doc/qwen4090/examples (issue 19.6)."""
+    places = [*(ROOT / "packaging/examples").rglob("*"), DEBIAN / "README.Debian",
+              ROOT / "packaging/man/qwen4090.8", ROOT / "docs/packaging.md"]
+    stale = [str(p) for p in places if p.is_file() and "/usr/share/qwen4090" in p.read_text()]
+    assert stale == []
+
+
+def test_lintian_override_matches_debian_12_and_13_unit_paths() -> None:
+    lines = [ln for ln in (DEBIAN / "qwen4090.lintian-overrides").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    for line in lines:
+        m = re.fullmatch(r"qwen4090: (\S+) \[(.*)\]", line)
+        assert m, line
+        # lintian's override context: * matches any characters
+        pattern = re.compile(".*".join(re.escape(part) for part in m.group(2).split("*")))
+        for unitdir in ("lib/systemd/system", "usr/lib/systemd/system"):  # Debian 12, 13
+            assert pattern.fullmatch(f"{unitdir}/qwen4090.service"), (line, unitdir)
+
+
+def test_news_debian_is_installed_and_says_what_changed_for_the_sysadmin() -> None:
+    """debhelper installs debian/NEWS as NEWS.Debian (apt-listchanges shows it)."""
+    news = (DEBIAN / "NEWS").read_text()
+    head = news.splitlines()[0]
+    assert re.fullmatch(r"qwen4090 \([0-9][^)]*\) unstable; urgency=\w+", head), head
+    for fact in ("exit 75", "RestartPreventExitStatus=69 75 78", "systemctl enable --now qwen4090",
+                 "daemon-reload", "qwen4090-NAME", "mount point"):
+        assert fact in news, fact
+
+
+SCRIPT = ROOT / "scripts/build-deb.sh"
+_TOOLS = all(shutil.which(t) for t in ("git", "dpkg-parsechangelog", "dpkg"))
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.org",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.org"}
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, env=env,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def _entry(version: str, dist: str = "unstable") -> str:
+    return (f"qwen4090 ({version}) {dist}; urgency=medium\n\n  * x\n\n"
+            f" -- t <t@example.org>  Tue, 01 Dec 2026 12:00:00 +0000\n\n")
+
+
+def _build_version(repo: Path) -> str:
+    r = subprocess.run(["sh", str(repo / "scripts/build-deb.sh"), "--print-version"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def _newer(a: str, b: str) -> bool:
+    return subprocess.run(["dpkg", "--compare-versions", a, "gt", b]).returncode == 0
+
+
+@pytest.mark.skipif(not (_TOOLS and SCRIPT.is_file()), reason="needs git, dpkg-dev, build-deb.sh")
+def test_every_build_gets_a_version_that_orders(tmp_path: Path) -> None:
+    """Releases from the changelog, snapshots between them, uncommitted trees after their
+    commit: each later build sorts after the one before (issue 19.1)."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "packaging/debian").mkdir(parents=True)
+    shutil.copy(SCRIPT, repo / "scripts/build-deb.sh")
+    changelog = repo / "packaging/debian/changelog"
+
+    def release(version: str, dist: str = "unstable") -> None:
+        changelog.write_text(_entry(version, dist) + (changelog.read_text()
+                                                        if changelog.exists() else ""))
+        (repo / "pyproject.toml").write_text(f'[project]\nversion = "{version}"\n')
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "-m", f"release {version}")
+
+    _git(repo, "init", "-q")
+    release("0.1.0")
+    seen = [_build_version(repo)]
+    assert seen == ["0.1.0"]  # the release commit, clean tree
+    (repo / "code.py").write_text("1")
+    seen.append(_build_version(repo))  # uncommitted: after its commit
+    assert re.fullmatch(r"0\.1\.0\+git\d{8}\.0\.[0-9a-f]{7}\.d\d+", seen[-1]), seen[-1]
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "work")
+    h = _git(repo, "rev-parse", "--short=7", "HEAD")
+    seen.append(_build_version(repo))
+    assert re.fullmatch(rf"0\.1\.0\+git\d{{8}}\.1\.{h}", seen[-1]), seen[-1]
+    (repo / "code.py").write_text("2")
+    _git(repo, "commit", "-q", "-am", "more work")
+    seen.append(_build_version(repo))
+    assert ".2." in seen[-1]
+    release("0.2.0", "UNRELEASED")  # the next version opened: snapshots before it
+    seen.append(_build_version(repo))
+    assert seen[-1].startswith("0.2.0~git")
+    (repo / "code.py").write_text("3")
+    _git(repo, "commit", "-q", "-am", "work on 0.2.0")
+    seen.append(_build_version(repo))
+    # released: the entry's distribution set (dch -r), the version line unchanged
+    changelog.write_text(changelog.read_text().replace("UNRELEASED", "unstable", 1))
+    _git(repo, "commit", "-q", "-am", "release 0.2.0")
+    seen.append(_build_version(repo))
+    assert seen[-1] == "0.2.0"
+    (repo / "code.py").write_text("4")
+    _git(repo, "commit", "-q", "-am", "after 0.2.0")
+    seen.append(_build_version(repo))
+    assert seen[-1].startswith("0.2.0+git")
+    release("0.2.1")
+    seen.append(_build_version(repo))
+    assert seen[-1] == "0.2.1"
+    for older, newer in itertools.pairwise(seen):
+        assert _newer(newer, older), (older, newer)
+    # pyproject.toml and the changelog must agree
+    (repo / "pyproject.toml").write_text('[project]\nversion = "9.9.9"\n')
+    r = subprocess.run(["sh", str(repo / "scripts/build-deb.sh"), "--print-version"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "pyproject.toml says 9.9.9" in r.stderr
 
 
 def _man_sections(page: str) -> dict[str, list[str]]:
