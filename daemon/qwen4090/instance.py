@@ -355,19 +355,19 @@ class InstanceError(Exception):
 
 @dataclass
 class _Lock:
+    """``flock`` on an open lock file is the lock; the pid written into it only names the holder
+    for a newcomer (which finds it in /proc/locks as well).  ``fd`` None: no lock file could be
+    opened at all (a disk that cannot create it): this run is unlocked, and said so."""
+
     path: Path
-    fd: int
+    fd: int | None
+    unwritten: OSError | None = None  # why the pid (or the file) could not be written
 
 
 def _take_lock(path: Path) -> _Lock:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise InstanceError(
-            f"cannot create the instance lock {path}: {e.strerror or e}; run under the unit "
-            f"(RuntimeDirectory=qwen4090), make {path.parent} writable for user {_user()}, or "
-            "set gpu.state_directory to a writable directory") from None
+    fd, unwritten = _open_lock(path)
+    if fd is None:
+        return _Lock(path, None, unwritten)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -380,21 +380,60 @@ def _take_lock(path: Path) -> _Lock:
             f"another qwen4090 already runs vLLM on this port: {holder} holds {path}; stop it "
             "first (systemctl stop qwen4090, or kill that pid) or give this config another "
             "vllm.port") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    return _Lock(path, fd)
+    if unwritten is None:
+        unwritten = _write_pid(fd)
+    return _Lock(path, fd, unwritten)
+
+
+def _open_lock(path: Path) -> tuple[int | None, OSError | None]:
+    """The lock file's fd (read-write; read-only when only that is allowed: flock needs no
+    write access), and why it is not writable.  A directory that is not ours to use is an
+    InstanceError (exit 78, the sysadmin's to fix); a disk that cannot create the file (full,
+    read-only) gives (None, why): the run goes on unlocked rather than not serving."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644), None
+    except OSError as e:
+        first = e
+    if first.errno in atomicfile.DISK_ERRNOS:
+        try:
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC), first
+        except OSError:
+            pass
+        if first.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            return None, first
+    raise InstanceError(
+        f"cannot create the instance lock {path}: {first.strerror or first}; run under the "
+        f"unit (RuntimeDirectory=qwen4090), make {path.parent} writable for user {_user()}, "
+        "or set gpu.state_directory to a writable directory") from None
+
+
+def _write_pid(fd: int) -> OSError | None:
+    """Our pid into the locked file, whole or not at all; why not, or None."""
+    data = f"{os.getpid()}\n".encode()
+    try:
+        os.ftruncate(fd, 0)
+        if os.write(fd, data) != len(data):  # a short write: the disk filled up meanwhile
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)  # never half a pid: a newcomer asks /proc/locks instead
+        return e
+    return None
 
 
 def _lock_holder(fd: int) -> str:
     pid: int | None = None
     with contextlib.suppress(OSError, ValueError):
         pid = int(os.pread(fd, 32, 0).decode().strip())
-    if pid is None:  # it has the lock but has not written its pid yet
-        st = os.fstat(fd)
-        with contextlib.suppress(OSError):
-            found = flock_holders(Path("/proc/locks").read_text(), os.major(st.st_dev),
-                                  os.minor(st.st_dev), st.st_ino)
-            pid = found[0] if found else None
+    # The kernel's word wins over the file's: the holder may not have written its pid yet, or
+    # could not (a full disk), and the file may still name an earlier holder.
+    st = os.fstat(fd)
+    with contextlib.suppress(OSError):
+        found = flock_holders(Path("/proc/locks").read_text(), os.major(st.st_dev),
+                              os.minor(st.st_dev), st.st_ino)
+        if found and pid not in found:
+            pid = found[0]
     if pid is None:
         return "a process we cannot name"
     cmd = _cmdline(pid)
@@ -440,7 +479,6 @@ class Instance:
         self.host, self.port = host, port
         self.lock: _Lock | None = None
         self.record: ChildRecord | None = None
-        self._said_record_failed = False
 
     @classmethod
     def take(cls, cfg: Config, log: Any, env: Mapping[str, str] | None = None) -> Instance:
@@ -448,8 +486,26 @@ class Instance:
         env = os.environ if env is None else env
         inst = cls(runtime_dir(cfg, env), cfg.vllm.host, cfg.vllm.port, log)
         inst.lock = _take_lock(inst.lock_path)
-        log.info("instance_locked", lock=str(inst.lock_path), port=f"{inst.host}:{inst.port}")
+        inst._say_locked()
         return inst
+
+    def _say_locked(self) -> None:
+        lock = self.lock
+        assert lock is not None
+        port = f"{self.host}:{self.port}"
+        if lock.fd is None and lock.unwritten is not None:
+            self.log.error("instance_unlocked", path=str(lock.path), port=port,
+                           cause=atomicfile.cause(lock.unwritten),
+                           detail="the lock file cannot be created: vLLM starts anyway, but a "
+                                  "second qwen4090 for this port would not be refused; free "
+                                  f"space in {lock.path.parent} or make it writable")
+            return
+        self.log.info("instance_locked", lock=str(lock.path), port=port)
+        if lock.unwritten is not None and atomicfile.FAILURES.failed(lock.path):
+            self.log.warning("state_not_saved", path=str(lock.path),
+                             what="the instance lock's pid", cause=atomicfile.cause(lock.unwritten),
+                             detail="the lock holds all the same (flock); a second qwen4090 "
+                                    "for this port finds this pid in /proc/locks")
 
     @property
     def lock_path(self) -> Path:
@@ -465,7 +521,8 @@ class Instance:
             with contextlib.suppress(OSError):
                 self.record_path.unlink()
         if self.lock is not None:
-            os.close(self.lock.fd)  # the lock file stays: unlinking it would race a newcomer
+            if self.lock.fd is not None:  # the lock file stays: unlinking it would race one
+                os.close(self.lock.fd)
             self.lock = None
 
     # --- following the config (a reload may move vLLM to another port) --------------------
@@ -484,10 +541,10 @@ class Instance:
                               str(e)) from None
         with contextlib.suppress(OSError):
             old_record.unlink()
-        if old_lock is not None:
+        if old_lock is not None and old_lock.fd is not None:
             os.close(old_lock.fd)
         self.host, self.port, self.lock = v.host, v.port, lock
-        self.log.info("instance_locked", lock=str(self.lock_path), port=f"{v.host}:{v.port}")
+        self._say_locked()
 
     def spawn(self, cfg: Config, start: Callable[[Config], Any]) -> Any:
         """Start vLLM for ``cfg`` under our lock, then record it (the supervisor's spawn)."""
@@ -496,21 +553,29 @@ class Instance:
         leader = _proc_info(child.pid)
         if leader is not None:
             self._write(ChildRecord(child.pid, leader.pgid, leader.create_time, leader.cmdline,
-                                    os.getpid()))
+                                    os.getpid()), new_leader=True)
         return child
 
-    def _write(self, rec: ChildRecord) -> None:
+    def _write(self, rec: ChildRecord, new_leader: bool = False) -> None:
+        """The record on disk, or (said once per file) why not: the supervisor serves on
+        without it, and never leaves a record of an earlier group in its place."""
         self.record = rec
+        path = self.record_path
         try:
-            atomicfile.write_text(self.record_path, rec.to_json())
+            atomicfile.write_text(path, rec.to_json())
         except OSError as e:
-            if not self._said_record_failed:
-                self._said_record_failed = True
-                self.log.warning("child_record_failed", path=str(self.record_path),
-                                 error=e.strerror or str(e),
-                                 hint=f"make {self.dir} writable for user {_user()}: without "
-                                      "the record a vLLM orphaned by a killed supervisor is "
-                                      "not stopped by the next start")
+            if new_leader:
+                with contextlib.suppress(OSError):  # it names a group that is gone
+                    path.unlink()
+            if atomicfile.FAILURES.failed(path):
+                self.log.warning("state_not_saved", path=str(path), what="the child record",
+                                 cause=atomicfile.cause(e),
+                                 hint=f"free space in {self.dir} or make it writable for user "
+                                      f"{_user()}: without the record a vLLM orphaned by a "
+                                      "killed supervisor is not stopped by the next start")
+            return
+        if atomicfile.FAILURES.saved(path):
+            self.log.info("state_saved", path=str(path), what="the child record")
 
     def _refresh(self, infos: list[ProcInfo]) -> None:
         """Keep the group as it is now in the record: its members start after the leader, and
@@ -560,10 +625,9 @@ class Instance:
 
     # --- what a previous instance left ------------------------------------------------------
 
-    def stop_orphans(self, term_timeout: float,
-                     gpu_held: Callable[[list[int]], str | None] | None = None,
-                     release_timeout: float = 0.0) -> list[int]:
-        """Stop the vLLM group a killed supervisor left (verified); the pids stopped."""
+    def stop_orphans(self, term_timeout: float) -> list[int]:
+        """Stop the vLLM group a killed supervisor left (verified); the pids stopped (the GPU
+        part then waits for their memory: gpu.GpuParts.wait_released)."""
         try:
             rec = ChildRecord.from_json(self.record_path.read_text(encoding="utf-8"))
         except FileNotFoundError:
@@ -605,8 +669,6 @@ class Instance:
                          seconds=round(self.clock() - start, 2))
         with contextlib.suppress(OSError):
             self.record_path.unlink()
-        if gpu_held is not None:
-            self._wait_gpu(pids, gpu_held, release_timeout)
         return pids
 
     def _alive(self, procs: Iterable[ProcInfo]) -> list[ProcInfo]:
@@ -640,18 +702,6 @@ class Instance:
         self._signal(pgid, procs, signal.SIGKILL)
         self._wait_gone(procs, self.clock() + ORPHAN_KILL_WAIT)
         return "SIGKILL"
-
-    def _wait_gpu(self, pids: list[int], gpu_held: Callable[[list[int]], str | None],
-                  timeout: float) -> None:
-        start = self.clock()
-        while (held := gpu_held(pids)) is not None:
-            if self.clock() - start >= timeout:
-                self.log.warning("gpu_not_released", waited=round(self.clock() - start, 2),
-                                 holders=held)
-                return
-            self.sleep(0.5)
-        self.log.info("gpu_released", waited=round(self.clock() - start, 2))
-
 
 class UncheckedPorts:
     """The supervisor's default port part (unit tests): every port free, every 200 ours."""

@@ -15,19 +15,24 @@ the limits).  The next launch with the same fingerprint gets ``--kv-cache-memory
 (the next one profiles again), so a GPU that has less free memory than before heals by itself.
 Caveats: the budget ignores ``gpu_memory_utilization``; on the CPU build the environment
 variable ``VLLM_CPU_KVCACHE_SPACE`` wins over the flag.
+
+A state directory that cannot be written (full, read-only, not ours; issue 18.1) costs only the
+file: the budget (or its forgetting) is kept in this process instead, so it still applies to
+this supervisor's next launches, and a warning (``state_not_saved``: the path and the cause in
+words) says so once per file.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from qwen4090 import atomicfile
+from qwen4090 import atomicfile, logs
 from qwen4090.config import Config
 
 FILE_NAME = "kv_budget.json"
@@ -81,14 +86,26 @@ def with_budget(cfg: Config, n: int) -> Config:
     return dataclasses.replace(cfg, vllm=v)
 
 
+# What could not be written (or removed) stays here for the life of this process: a budget
+# recorded, or {} for one forgotten.  Keyed by path: gpu.py builds a KvBudget at each use.
+_unsaved: dict[Path, dict[str, Any]] = {}
+_unsaved_lock = threading.Lock()
+LOG = logs.get_logger()  # a lazy proxy: the configuration in effect at each call
+
+
 class KvBudget:
     """kv_budget.json in the state directory."""
 
-    def __init__(self, directory: Path, wall: Callable[[], float] = time.time) -> None:
+    def __init__(self, directory: Path, wall: Callable[[], float] = time.time,
+                 log: Any = LOG) -> None:
         self.path = Path(directory) / FILE_NAME
         self.wall = wall
+        self.log = log
 
     def read(self) -> dict[str, Any]:
+        with _unsaved_lock:
+            if self.path in _unsaved:
+                return dict(_unsaved[self.path])
         try:
             data = json.loads(self.path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -106,19 +123,50 @@ class KvBudget:
         if not isinstance(n, int) or n <= 0:
             return False
         n = exact_bytes(n, report.get("kv_tokens"), per_token)
-        self._write({"version": 1, "kv_cache_memory_bytes": n,
-                     "kv_tokens": report.get("kv_tokens"), "time": round(self.wall(), 3),
-                     "fingerprint": fingerprint(launch, base)})
+        data = {"version": 1, "kv_cache_memory_bytes": n, "kv_tokens": report.get("kv_tokens"),
+                "time": round(self.wall(), 3), "fingerprint": fingerprint(launch, base)}
+        try:
+            self._write(data)
+        except OSError as e:
+            self._unsaved(data, e, "the KV budget",
+                          "it applies to this supervisor's next starts only")
+            return False
+        self._saved("the KV budget")
         return True
 
     def forget(self, given: int | None) -> bool:
         """A start given the budget failed: the next one profiles again."""
         if given is None:
             return False
-        with contextlib.suppress(FileNotFoundError):
+        try:
             self.path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self._unsaved({}, e, "the KV budget's removal",
+                          "this supervisor profiles again; the next qwen4090 may use the old "
+                          "budget once (a start with it that fails forgets it)")
+            return True
+        with _unsaved_lock:
+            _unsaved.pop(self.path, None)
+        self._saved("the KV budget's removal")
         return True
 
     def _write(self, data: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         atomicfile.write_text(self.path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+        with _unsaved_lock:
+            _unsaved.pop(self.path, None)
+
+    def _unsaved(self, data: dict[str, Any], e: OSError, what: str, then: str) -> None:
+        with _unsaved_lock:
+            _unsaved[self.path] = data
+        if atomicfile.FAILURES.failed(self.path):
+            self.log.warning("state_not_saved", path=str(self.path), what=what,
+                             cause=atomicfile.cause(e),
+                             hint=f"free space in {self.path.parent} or make it writable for "
+                                  f"the service user; until then {then}")
+
+    def _saved(self, what: str) -> None:
+        if atomicfile.FAILURES.saved(self.path):
+            self.log.info("state_saved", path=str(self.path), what=what)

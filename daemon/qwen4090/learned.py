@@ -61,7 +61,7 @@ class SaveFailure:
     """Why learned settings could not be written, and what the sysadmin does about it."""
 
     path: str
-    error: str  # strerror, e.g. "Permission denied", "Read-only file system"
+    error: str  # atomicfile.cause: "disk full (ENOSPC)", "read-only file system (EROFS)"...
     hint: str
 
     def line(self) -> str:
@@ -113,10 +113,10 @@ class LearnedStore:
         except OSError as e:
             with _unsaved_lock:
                 _unsaved[self.path] = new
-            return SaveFailure(str(self.path), e.strerror or type(e).__name__,
-                               f"create {self.dir} owned by the service user, or set "
-                               "gpu.state_directory to a writable directory; until then it "
-                               "applies only until qwen4090 exits")
+            return SaveFailure(str(self.path), atomicfile.cause(e),
+                               f"free space in {self.dir}, or create it owned by the "
+                               "service user, or set gpu.state_directory to a writable "
+                               "directory; until then it applies only until qwen4090 exits")
         with _unsaved_lock:
             _unsaved.pop(self.path, None)
         return None

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tests.support.fakes import Log
 
+from qwen4090 import atomicfile
 from qwen4090.config import from_dict
 from qwen4090.instance import (
     ChildRecord,
@@ -266,3 +269,151 @@ def test_owner_and_holder_with_real_sockets(tmp_path: Path) -> None:
         held = inst.holder("127.0.0.1", port)
         assert held is not None and held.startswith(f"pid {os.getpid()} (")
     assert inst.holder("127.0.0.1", port) is None
+
+
+# --- a state directory that refuses writes (issue 18.1) -----------------------------------------
+
+
+def refuse_writes_to(monkeypatch: pytest.MonkeyPatch, suffix: str, code: int,
+                     short: bool = False) -> None:
+    """os.write into a file whose name ends with ``suffix`` fails with ``code`` (or writes one
+    byte: a short write), as on a full disk; every other write goes through."""
+    real = os.write
+
+    def write(fd: int, data: bytes) -> int:
+        try:
+            name = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            name = ""
+        if name.endswith(suffix):
+            if short:
+                return real(fd, bytes(data[:1]))
+            raise OSError(code, os.strerror(code))
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_a_full_disk_leaves_the_lock_held_without_a_pid_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, short: bool) -> None:
+    env = {"RUNTIME_DIRECTORY": str(tmp_path)}
+    lock = tmp_path / "instance-127.0.0.1-8000.lock"
+    lock.write_text("999999\n")  # an earlier holder's pid: never left half or stale
+    refuse_writes_to(monkeypatch, ".lock", errno.ENOSPC, short)
+    log = Log()
+    inst = Instance.take(from_dict({}), log, env=env)  # raised OSError: [Errno 28]
+    try:
+        assert lock.read_bytes() == b""
+        (said,) = log.named("state_not_saved")
+        assert said["path"] == str(lock) and said["cause"] == "disk full (ENOSPC)"
+        assert "instance_locked" in log.names()
+        # the lock holds: a second run is refused, naming us (found in /proc/locks)
+        with pytest.raises(InstanceError) as e:
+            Instance.take(from_dict({}), Log(), env=env)
+        assert f"pid {os.getpid()} (" in str(e.value)
+    finally:
+        inst.close(True)
+
+
+@pytest.mark.parametrize(("code", "words"), [(errno.EROFS, "read-only file system (EROFS)"),
+                                             (errno.EACCES, "permission denied (EACCES)")])
+def test_an_existing_lock_file_not_writable_is_locked_read_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, words: str) -> None:
+    env = {"RUNTIME_DIRECTORY": str(tmp_path)}
+    lock = tmp_path / "instance-127.0.0.1-8000.lock"
+    lock.write_text("999999\n")  # a stale pid it cannot overwrite
+    real_open = os.open
+
+    def open_(path: Any, flags: int, *a: Any, **kw: Any) -> int:
+        if str(path) == str(lock) and flags & (os.O_RDWR | os.O_WRONLY):
+            raise OSError(code, os.strerror(code))
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", open_)
+    log = Log()
+    inst = Instance.take(from_dict({}), log, env=env)
+    try:
+        (said,) = log.named("state_not_saved")
+        assert said["path"] == str(lock) and said["cause"] == words
+        with pytest.raises(InstanceError) as e:  # the kernel's holder, not the stale pid
+            Instance.take(from_dict({}), Log(), env=env)
+        assert f"pid {os.getpid()} (" in str(e.value) and "999999" not in str(e.value)
+    finally:
+        inst.close(True)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_a_lock_file_the_disk_cannot_create_runs_unlocked_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    real_open = os.open
+
+    def open_(path: Any, flags: int, *a: Any, **kw: Any) -> int:
+        if str(path).endswith(".lock"):
+            raise OSError(code, os.strerror(code)) if flags & os.O_CREAT else \
+                FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", open_)
+    log = Log()
+    inst = Instance.take(from_dict({}), log, env={"RUNTIME_DIRECTORY": str(tmp_path)})
+    (said,) = log.named("instance_unlocked")
+    assert said["path"] == str(inst.lock_path) and "second qwen4090" in said["detail"]
+    assert said["cause"] == atomicfile.cause(OSError(code, ""))
+    assert [lvl for lvl, e, _ in log.events if e == "instance_unlocked"] == ["error"]
+    inst.follow(from_dict({}))  # the same port: not retried, not said again
+    assert log.names().count("instance_unlocked") == 1
+    inst.close(True)
+
+
+def test_a_directory_not_ours_is_still_refused(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    real_mkdir = Path.mkdir
+
+    def mkdir(self: Path, *a: Any, **kw: Any) -> None:
+        if self == tmp_path / "rt":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        real_mkdir(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    with pytest.raises(InstanceError) as e:  # exit 78 with the fix, as before
+        Instance.take(from_dict({}), Log(), env={"RUNTIME_DIRECTORY": str(tmp_path / "rt")})
+    assert "gpu.state_directory" in str(e.value)
+
+
+@pytest.mark.parametrize(("code", "words"), [(errno.ENOSPC, "disk full (ENOSPC)"),
+                                             (errno.EROFS, "read-only file system (EROFS)"),
+                                             (errno.EACCES, "permission denied (EACCES)")])
+def test_the_child_record_that_cannot_be_written_is_said_once_and_never_stale(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, words: str) -> None:
+    log = Log()
+    inst = Instance.take(from_dict({}), log, env={"RUNTIME_DIRECTORY": str(tmp_path)})
+    try:
+        first = record()
+        inst._write(first, new_leader=True)  # an earlier group's record, on disk
+        assert ChildRecord.from_json(inst.record_path.read_text()) == first
+        real = atomicfile.write_text
+
+        def refuse(path: Path, text: str) -> None:
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(atomicfile, "write_text", refuse)
+        second = ChildRecord(pid=700, pgid=700, create_time=2000.0, cmdline=VLLM,
+                             supervisor_pid=400)
+        inst._write(second, new_leader=True)
+        assert not inst.record_path.exists()  # never the earlier group's record in its place
+        assert inst.record == second  # kept in memory all the same
+        inst._refresh([ProcInfo(701, 2001.0, ENGINE, 700)])  # the group grows: a second write
+        (said,) = log.named("state_not_saved")
+        assert said["path"] == str(inst.record_path) and said["cause"] == words
+        assert said["what"] == "the child record" and str(tmp_path) in said["hint"]
+        monkeypatch.setattr(atomicfile, "write_text", real)  # space again
+        inst._refresh([ProcInfo(702, 2002.0, ENGINE, 700)])
+        rec = ChildRecord.from_json(inst.record_path.read_text())
+        assert rec is not None and rec.pid == 700 and {m.pid for m in rec.members} == {701, 702}
+        (back,) = log.named("state_saved")
+        assert back["path"] == str(inst.record_path)
+        assert sorted(os.listdir(tmp_path)) == sorted([inst.lock_path.name,
+                                                       inst.record_path.name])
+    finally:
+        inst.close(True)
