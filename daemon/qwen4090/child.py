@@ -23,8 +23,9 @@ import psutil
 
 from qwen4090 import oomscore
 from qwen4090.config import AUTO, Config, VllmConfig, read_secret
+from qwen4090.logs import LEVELS
 from qwen4090.notify import child_environment
-from qwen4090.policy import LEVELS, oom_evidence
+from qwen4090.policy import oom_evidence
 from qwen4090.vllmfacts import (
     ENGINE_PROC,
     UVICORN,

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from qwen4090 import derived
 from qwen4090.redact import one_line, remember_secret
 
 if sys.version_info >= (3, 11):
@@ -421,14 +422,16 @@ def from_dict(raw: Mapping[str, Any], owner: Mapping[str, str] | None = None,
             values[key] = _check(file, dotted, value, hints[key], known[key].metadata)
         sections[name] = cls(**values)
     cfg = Config(**sections, sources=sources)
-    # --- hook (H4 pkg, issue 9 item 12): status.port and gpu.device derived from vllm.* ---
-    from qwen4090 import derived
-
+    # status.port and gpu.device follow vllm.* where no file sets them (derived.py)
     given = {f"{name}.{key}" for name, table in raw.items() for key in table}
-    cfg, wrong = derived.apply(cfg, given)
+    found, wrong = derived.values(given, cfg.vllm.port, cfg.vllm.env.get("CUDA_VISIBLE_DEVICES"),
+                                  cfg.gpu.device)
     if wrong is not None:  # (key, why): a contradiction, named in the file that set the key
         raise ConfigError(owner.get(wrong[0], default_file), wrong[0], wrong[1])
-    # --- end hook
+    for dotted, derived_value in found.items():
+        section, key_name = dotted.split(".")
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(
+            getattr(cfg, section), **{key_name: derived_value})})
     _check_relations(cfg, owner, default_file)
     return cfg
 

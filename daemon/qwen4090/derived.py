@@ -10,17 +10,13 @@ only their own vLLM port and GPU in their config.
   ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or identical GPUs; UUIDs (``GPU-...``) and MIG names are
   left to the NVML side to resolve (gpu.device is not changed for them).
 
-Pure: a Config in, a Config (or the contradiction found) out.
+Pure: plain values in, the derived values (or the contradiction found) out.  It imports nothing
+of ours: config.py calls it while it builds a Config, so it sits below config.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Container
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from qwen4090.config import Config
 
 STATUS_PORT_OFFSET = 90
 MAX_PORT = 65535
@@ -55,19 +51,18 @@ def device_for(configured: int | None, cuda_visible: str | None) -> tuple[int | 
                   f"{physical} or remove it (it follows CUDA_VISIBLE_DEVICES)")
 
 
-def apply(cfg: Config, given: Container[str]) -> tuple[Config, tuple[str, str] | None]:
-    """cfg with the derived defaults filled in (for the "section.key"s not in `given`, the keys
-    some file set), and the contradiction found as (key, why), or None; config.py turns it
-    into the ConfigError that names the file (so this module needs nothing of config's)."""
-    status, gpu = cfg.status, cfg.gpu
+def values(given: Container[str], vllm_port: int, cuda_visible: str | None, gpu_device: int
+           ) -> tuple[dict[str, int], tuple[str, str] | None]:
+    """The derived defaults as {"section.key": value} for the keys no file set (`given`: the
+    "section.key"s some file set), and the contradiction found as (key, why), or None;
+    config.py sets them in the Config and turns the contradiction into the ConfigError that
+    names the file."""
+    out: dict[str, int] = {}
     if "status.port" not in given:
-        status = dataclasses.replace(status, port=default_status_port(cfg.vllm.port))
-    configured = gpu.device if "gpu.device" in given else None
-    device, error = device_for(configured, cfg.vllm.env.get("CUDA_VISIBLE_DEVICES"))
+        out["status.port"] = default_status_port(vllm_port)
+    device, error = device_for(gpu_device if "gpu.device" in given else None, cuda_visible)
     if error is not None:
-        return cfg, ("gpu.device", error)
-    if device is not None and device != gpu.device:
-        gpu = dataclasses.replace(gpu, device=device)
-    if status is cfg.status and gpu is cfg.gpu:
-        return cfg, None
-    return dataclasses.replace(cfg, status=status, gpu=gpu), None
+        return {}, ("gpu.device", error)
+    if device is not None and device != gpu_device:
+        out["gpu.device"] = device
+    return out, None

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qwen4090 import kvbudget, learned, plan
+from qwen4090 import kvbudget, learned, plan, runtime
 from qwen4090.child import render_argv
 from qwen4090.config import Config
 from qwen4090.plan import GpuMemory, ModelFacts, Plan
@@ -106,10 +106,8 @@ def read_facts(cfg: Config, env: Mapping[str, str], gpu: GpuMemory | str | None 
 def runtime_of(cfg: Config) -> str:
     """vLLM's package and version in vllm.command's venv ("" when unknown): another vLLM may
     profile another KV size, so a budget is kept per version (an upgrade profiles again)."""
-    from qwen4090 import provision
-
-    venv = provision.venv_of(cfg.vllm.command)
-    found = provision.runtime_version(venv) if venv is not None else None
+    venv = runtime.venv_of(cfg.vllm.command)
+    found = runtime.runtime_version(venv) if venv is not None else None
     return " ".join(found) if found else ""
 
 

@@ -15,8 +15,7 @@ from typing import Any, TextIO
 
 import structlog
 
-from qwen4090.policy import LEVELS
-
+LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 PRIORITY = {"debug": 7, "info": 6, "warning": 4, "warn": 4, "error": 3, "critical": 2,
             "exception": 3}
 

@@ -324,8 +324,3 @@ def canary_counts(ok: bool, timed_out: bool, before: float | None, after: float 
     if ok:
         return False
     return not (timed_out and tokens_moved(before, after))
-
-
-# --- log levels ----------------------------------------------------------------------------
-
-LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}

@@ -20,6 +20,7 @@ from pathlib import Path
 from qwen4090.child import api_key_path
 from qwen4090.config import Config, ConfigError, read_secret
 from qwen4090.instance import port_holders, try_bind
+from qwen4090.runtime import version_warning
 
 
 @dataclass
@@ -115,10 +116,10 @@ def check_port(cfg: Config, res: PreflightResult) -> None:
 
 
 def check_runtime_version(cfg: Config, res: PreflightResult) -> None:
-    """Warning only (H4 pkg, issue 9 item 13): the runtime's vLLM is not the pinned version."""
-    from qwen4090 import provision
-
-    provision.check_runtime_version(cfg, res)
+    """Warning only: the runtime's vLLM is not the pinned version (another may still work)."""
+    warning = version_warning(cfg.vllm.command)
+    if warning:
+        res.warnings.append(warning)
 
 
 STATIC_CHECKS: list[Check] = [check_model, check_command, check_api_key, check_runtime_version]

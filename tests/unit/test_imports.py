@@ -1,13 +1,17 @@
-"""No import cycle among the daemon's own modules (issue 11.3).
+"""The daemon's modules in layers: no import cycle, and no import running back up a layer
+(issue 11.3, issue 17.4).
 
-The graph is read from the source with ``ast``, not from ``sys.modules``: an import inside a
-function counts (it runs whenever the function does, so it is as much a dependency as one at the
-top), an import under ``if TYPE_CHECKING:`` does not (it never runs; it only names a type).
+The graph is read from the source with ``ast``, not from ``sys.modules``, and every import
+counts: one at the top, one inside a function (it runs whenever the function does) and one under
+``if TYPE_CHECKING:`` (it never runs, but a reader needs the other module to read this one: a
+cycle hidden by a lazy import on one side and a TYPE_CHECKING import on the other is still a
+cycle; the fix is to move the shared piece down a layer).
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import qwen4090
@@ -15,6 +19,37 @@ import qwen4090
 # The package the tests import: the source tree's, or the installed one (autopkgtest runs
 # these tests against /usr/lib/python3/dist-packages with daemon/ removed).
 PACKAGE = Path(qwen4090.__file__).resolve().parent
+
+# The layers, bottom to top.  A module imports from its own layer and the layers below it,
+# never from one above; each module of the package is in exactly one layer (a new module fails
+# the test until it is given one).  Names are relative to the package; the package itself
+# (its __init__ holds only the version) is in none.
+LAYERS: dict[str, tuple[str, ...]] = {
+    # nothing of ours below it: what vLLM says and does (vllmfacts), the states and the events
+    # about them, the log, and small pieces of the machine (child.py strips notify's variables)
+    "base": ("states", "events", "vllmfacts", "logs", "redact", "atomicfile", "oomscore",
+             "notify", "preimport_main"),  # preimport_main runs in vLLM's interpreter
+    # every default and its validation; the keys whose default follows other keys
+    "config": ("config", "derived"),
+    # pure decisions on the config's thresholds: backoff, budget, exit classes, hang verdicts,
+    # and the judges that own their timers
+    "policy": ("policy", "judges"),
+    # what asks vLLM and the GPU, and returns a result
+    "probes": ("probes.http", "probes.nvml", "nvml_binding"),
+    # one vLLM process and what runs beside it
+    "engine": ("child", "warmup", "timeline", "preimport", "readahead", "caches"),
+    # what vLLM is launched with, and where: the plan, what earlier starts taught, the runtime
+    # venv, the checks before a launch, the instance (its lock, its child record, its port)
+    "launch": ("launch", "plan", "learned", "kvbudget", "ladder", "runtime", "preflight",
+               "configrisk", "instance"),
+    # the typed GPU part: launch, preflight, step-down and the watch, over one door
+    "gpu": ("gpu", "xid"),
+    # the daemon: the supervisor, its contracts and one vLLM run, the signals, the status
+    # endpoint
+    "service": ("supervisor", "contracts", "run", "signals", "httpapi"),
+    # what a user runs: the composition root and the commands
+    "commands": ("cli", "__main__", "commands", "plancmd", "statuscmd", "provision", "bench"),
+}
 
 
 def module_names(package: Path) -> dict[str, Path]:
@@ -27,49 +62,30 @@ def module_names(package: Path) -> dict[str, Path]:
     return out
 
 
-def _type_checking_only(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or \
-        (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
-
-
-def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    found: list[ast.Import | ast.ImportFrom] = []
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, ast.If) and _type_checking_only(node):
-            todo.extend(node.orelse)  # the body is for the type checker only
-            continue
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            found.append(node)
-        todo.extend(ast.iter_child_nodes(node))
-    return found
-
-
 def import_graph(package: Path) -> dict[str, set[str]]:
-    """module -> the package's modules it imports (the top package itself is left out: every
-    import of a submodule runs its ``__init__``, which only holds the version)."""
+    """module -> the package's modules it imports, by any import anywhere in the module (the
+    top package itself is left out: every import of a submodule runs its ``__init__``, which
+    only holds the version)."""
     modules = module_names(package)
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         here = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps: set[str] = set()
-        for node in _imports(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 deps.update(a.name for a in node.names)
-                continue
-            base = node.module or ""
-            if node.level:
-                up = here.split(".")[:len(here.split(".")) - node.level + 1]
-                base = ".".join([*up, *([node.module] if node.module else [])])
-            deps.add(base)
-            deps.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import module`
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = here.split(".")[:len(here.split(".")) - node.level + 1]
+                    base = ".".join([*up, *([node.module] if node.module else [])])
+                deps.add(base)
+                deps.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import module`
         graph[name] = {d for d in deps if d in modules and d not in (name, package.name)}
     return graph
 
 
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
     """The cycles a depth-first search meets, each as a path that ends where it starts (one
     per set of modules: a cycle inside one already found is not listed again)."""
     found: list[list[str]] = []
@@ -92,6 +108,25 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def layer_breaches(graph: Mapping[str, set[str]], package: str,
+                   layers: Mapping[str, Sequence[str]]) -> list[str]:
+    """One sentence per module of the graph without a layer, and per import that runs from a
+    lower layer up to a higher one (naming both modules and both layers)."""
+    rank: dict[str, tuple[int, str]] = {}
+    for i, (layer, names) in enumerate(layers.items()):
+        for short in names:
+            assert f"{package}.{short}" not in rank, f"{short} is in two layers"
+            rank[f"{package}.{short}"] = (i, layer)
+    out = [f"{m} has no layer: give it one in LAYERS"
+           for m in sorted(graph) if m != package and m not in rank]
+    for importer in sorted(graph):
+        for imported in sorted(graph[importer]):
+            if importer in rank and imported in rank and rank[imported][0] > rank[importer][0]:
+                out.append(f"{importer} ({rank[importer][1]}) imports {imported} "
+                           f"({rank[imported][1]}), a layer above it")
+    return out
+
+
 def test_no_import_cycle_among_our_modules() -> None:
     graph = import_graph(PACKAGE)
     assert "qwen4090.cli" in graph and "qwen4090.probes.http" in graph  # it read the package
@@ -99,8 +134,15 @@ def test_no_import_cycle_among_our_modules() -> None:
         " -> ".join(c) for c in cycles(graph))
 
 
+def test_every_module_has_a_layer_and_imports_only_downwards() -> None:
+    graph = import_graph(PACKAGE)
+    assert "qwen4090.derived" in graph["qwen4090.config"]  # it read the package
+    found = layer_breaches(graph, PACKAGE.name, LAYERS)
+    assert found == [], "layer breaches:\n" + "\n".join(found)
+
+
 def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
-    """A cycle through each import form is found; a TYPE_CHECKING import is not an edge."""
+    """A cycle through each import form is found, lazy and TYPE_CHECKING imports included."""
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -115,5 +157,50 @@ def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
     graph = import_graph(pkg)
     assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.c"}
     assert graph["pkg.c"] == {"pkg.sub.d"} and graph["pkg.sub.d"] == {"pkg.a"}
-    assert graph["pkg.e"] == set() and graph["pkg.f"] == {"pkg.e"}
-    assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.sub.d", "pkg.a"]]
+    assert graph["pkg.e"] == {"pkg.f"} and graph["pkg.f"] == {"pkg.e"}
+    assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.sub.d", "pkg.a"],
+                             ["pkg.e", "pkg.f", "pkg.e"]]
+
+
+def test_the_checker_finds_the_breaches_we_had(tmp_path: Path) -> None:
+    """The shapes main had before issue 17.4, in a small package: config <-> derived (a lazy
+    import one way, a TYPE_CHECKING one back), preflight <-> provision (the same, the launch
+    layer reaching up to the commands), launch -> provision (lazy, up), and a new module
+    nobody gave a layer."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("__version__ = '0'\n")
+    (pkg / "config.py").write_text("def from_dict():\n    from pkg import derived\n")
+    (pkg / "derived.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                                    "    from pkg.config import Config\n")
+    (pkg / "preflight.py").write_text("from pkg.config import x\n\n\ndef check():\n"
+                                      "    from pkg import provision\n")
+    (pkg / "launch.py").write_text("def runtime_of():\n    from pkg import provision\n")
+    (pkg / "provision.py").write_text("from __future__ import annotations\n\nimport typing\n\n"
+                                      "if typing.TYPE_CHECKING:\n"
+                                      "    from pkg.preflight import PreflightResult\n")
+    (pkg / "newcomer.py").write_text("from pkg import __version__\n")
+    layers = {"base": ("derived",), "config": ("config",), "launch": ("preflight", "launch"),
+              "commands": ("provision",)}
+    graph = import_graph(pkg)
+    assert cycles(graph) == [["pkg.config", "pkg.derived", "pkg.config"],
+                             ["pkg.provision", "pkg.preflight", "pkg.provision"]]
+    assert layer_breaches(graph, "pkg", layers) == [
+        "pkg.newcomer has no layer: give it one in LAYERS",
+        "pkg.derived (base) imports pkg.config (config), a layer above it",
+        "pkg.launch (launch) imports pkg.provision (commands), a layer above it",
+        "pkg.preflight (launch) imports pkg.provision (commands), a layer above it",
+    ]
+    # and the same package, each shared piece moved down a layer, passes
+    (pkg / "derived.py").write_text("def values():\n    return {}\n")
+    (pkg / "config.py").write_text("from pkg import derived\n")
+    (pkg / "runtime.py").write_text("def version_warning():\n    return None\n")
+    (pkg / "preflight.py").write_text("from pkg.config import x\nfrom pkg.runtime import "
+                                      "version_warning\n")
+    (pkg / "launch.py").write_text("from pkg import runtime\n")
+    (pkg / "provision.py").write_text("from pkg.runtime import version_warning\n")
+    (pkg / "newcomer.py").unlink()
+    graph = import_graph(pkg)
+    assert cycles(graph) == []
+    assert layer_breaches(graph, "pkg", {**layers, "launch": ("preflight", "launch", "runtime")
+                                         }) == []

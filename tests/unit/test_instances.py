@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen4090 import derived, learned, oomscore, preflight, provision
+from qwen4090 import derived, learned, oomscore, preflight, provision, runtime
 from qwen4090.config import ConfigError, from_dict, load
 
 
@@ -93,7 +93,7 @@ def _venv(tmp_path: Path, version: str | None, record: bool) -> Path:
     write(venv / "pyvenv.cfg", "home = /usr/bin\n")
     (venv / "bin").mkdir(exist_ok=True)
     if version and record:
-        provision.record_runtime(venv, "vllm", version)
+        runtime.record_runtime(venv, "vllm", version)
     elif version:
         write(venv / "lib/python3.11/site-packages/vllm-0.dist-info/METADATA",
               f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
@@ -104,10 +104,10 @@ def _venv(tmp_path: Path, version: str | None, record: bool) -> Path:
 def test_runtime_version_warning(tmp_path: Path, record: bool) -> None:
     venv = _venv(tmp_path, "0.26.0", record)
     cmd = [str(venv / "bin/python"), "-m", "vllm.entrypoints.openai.api_server"]
-    w = provision.version_warning(cmd, pinned="0.32.0")
+    w = runtime.version_warning(cmd, pinned="0.32.0")
     assert w and "0.26.0" in w and "0.32.0" in w and "install-runtime --force" in w
-    assert provision.version_warning(cmd, pinned="0.26.0") is None
-    assert provision.version_warning(["vllm", "serve"]) is None  # not a venv: nothing to say
+    assert runtime.version_warning(cmd, pinned="0.26.0") is None
+    assert runtime.version_warning(["vllm", "serve"]) is None  # not a venv: nothing to say
     cfg = from_dict({"vllm": {"command": cmd}})
     res = preflight.PreflightResult()
     preflight.check_runtime_version(cfg, res)
@@ -125,9 +125,9 @@ def test_install_runtime_records_what_it_installed(tmp_path: Path) -> None:
 
     provision.install_runtime(venv, "vllm", "0.26.0", None, "/usr/bin/python3",
                               runner=runner)  # type: ignore[arg-type]
-    rec = json.loads((venv / provision.RECORD_NAME).read_text())
+    rec = json.loads((venv / runtime.RECORD_NAME).read_text())
     assert rec["package"] == "vllm" and rec["version"] == "0.26.0"
-    assert provision.runtime_version(venv) == ("vllm", "0.26.0")
+    assert runtime.runtime_version(venv) == ("vllm", "0.26.0")
 
 
 def test_status_command_warns_on_a_version_mismatch(tmp_path: Path,
