@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qwen4090 import configrisk
 from qwen4090.child import api_key_path
 from qwen4090.config import Config, ConfigError, read_secret
 from qwen4090.instance import port_holders, try_bind
@@ -122,7 +123,67 @@ def check_runtime_version(cfg: Config, res: PreflightResult) -> None:
         res.warnings.append(warning)
 
 
-STATIC_CHECKS: list[Check] = [check_model, check_command, check_api_key, check_runtime_version]
+def check_hosts(cfg: Config, res: PreflightResult, strict: bool = False) -> None:
+    """vLLM's and the status endpoint's addresses are this machine's (issue 18.8).
+
+    vLLM on an address it cannot bind never serves: fatal, as check_port's EADDRNOTAVAIL.  The
+    status endpoint is refused by check-config (``strict``) but only warned about at a launch:
+    serving the model matters more than showing it.  Host names are resolved only when
+    ``strict``: at boot DNS may not answer yet, and check_port's bind then retries.
+    """
+    problem = configrisk.host_problem(cfg.vllm.host, resolve=strict)
+    if problem:
+        res.fatal = ConfigError(_setter(cfg, "vllm", "host"), "vllm.host",
+                                f"{problem}; set one of its addresses, 127.0.0.1 (with a proxy "
+                                "in front) or 0.0.0.0")
+        return
+    problem = configrisk.host_problem(cfg.status.host, resolve=strict) \
+        if cfg.status.enabled else None
+    if problem and strict:
+        res.fatal = ConfigError(_setter(cfg, "status", "host"), "status.host",
+                                f"{problem}; set one of its addresses or 127.0.0.1")
+    elif problem:
+        res.warnings.append(f"status.host: {problem}: the status endpoint will not start "
+                            "(vLLM is served without it); fix status.host")
+
+
+def check_hosts_strict(cfg: Config, res: PreflightResult) -> None:
+    check_hosts(cfg, res, strict=True)
+
+
+def check_config_warnings(cfg: Config, res: PreflightResult) -> None:
+    """Legal but risky settings (configrisk.config_warnings): warnings, never fatal."""
+    res.warnings += configrisk.config_warnings(cfg)
+
+
+def check_service_user(cfg: Config, res: PreflightResult, user: str | None = None) -> None:
+    """Run as root (``sudo qwen4090 check-config``): what the service user cannot read is an
+    error, though root can (issue 19.4).  Skipped for other users and without that user.
+
+    The user is the units' User=qwen4090; $QWEN4090_SERVICE_USER names another (a unit of your
+    own), or none when empty.
+    """
+    if user is None:
+        user = os.environ.get("QWEN4090_SERVICE_USER", configrisk.SERVICE_USER)
+    if not user or os.geteuid() != 0:
+        return
+    who = configrisk.Reader.named(user)
+    if who is None:
+        return
+    for found in configrisk.unreadable_by(cfg, who):
+        file = found.path if found.key is None else _setter(cfg, *found.key.split("."))
+        res.fatal = ConfigError(file, found.key, configrisk.describe(found, user))
+        return
+
+
+def _setter(cfg: Config, section: str, key: str) -> str | None:
+    """The config file that set ``section.key`` (else the main file), for a message."""
+    return configrisk.file_setting(cfg.sources, section, key) or \
+        (cfg.sources[0] if cfg.sources else None)
+
+
+STATIC_CHECKS: list[Check] = [check_model, check_command, check_api_key, check_runtime_version,
+                              check_config_warnings]
 
 
 def run_checks(cfg: Config, checks: Sequence[Check]) -> PreflightResult:
@@ -136,9 +197,9 @@ def run_checks(cfg: Config, checks: Sequence[Check]) -> PreflightResult:
 
 def static(cfg: Config) -> PreflightResult:
     """What check-config verifies beyond syntax: files and commands, no port, no GPU."""
-    return run_checks(cfg, STATIC_CHECKS)
+    return run_checks(cfg, [*STATIC_CHECKS, check_hosts_strict, check_service_user])
 
 
 def full(cfg: Config, extra: Sequence[Check] = ()) -> PreflightResult:
     """Everything before a launch."""
-    return run_checks(cfg, [*STATIC_CHECKS, *extra, check_port])
+    return run_checks(cfg, [*STATIC_CHECKS, check_hosts, *extra, check_port])

@@ -20,6 +20,13 @@ REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "etc" / "qwen4090" / "qwen4090.toml"
 
 
+@pytest.fixture(autouse=True)
+def _no_service_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As root beside an installed package, check-config would also check that the qwen4090
+    user can read these temporary files (test_config_risks.py tests that)."""
+    monkeypatch.setenv("QWEN4090_SERVICE_USER", "")
+
+
 def write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

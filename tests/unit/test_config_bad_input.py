@@ -180,7 +180,7 @@ def test_model_and_command_values_that_could_not_run(tmp_path: Path,
     ("[restart]\nbudget_failures = 0", "restart.budget_failures", "from 1"),
     ("[restart]\nbackoff_factor = 0.5", "restart.backoff_factor", "from 1 to 10"),
     ("[restart]\njitter = 2", "restart.jitter", "from 0 to 1"),
-    ("[stop]\nterm_timeout = 0", "stop.term_timeout", "from 0.1"),
+    ("[stop]\nterm_timeout = 0", "stop.term_timeout", "from 1"),
     ("[status]\nport = 0", "status.port", "from 1 to 65535"),
     ("[status]\nport = 8000", "status.port", "differ from vllm.port"),
     ("[gpu]\ndevice = -1", "gpu.device", "from 0 to 63"),
@@ -190,6 +190,80 @@ def test_model_and_command_values_that_could_not_run(tmp_path: Path,
 def test_nonsense_values_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], base: str,
                                      text: str, key: str, fragment: str) -> None:
     one_line_78(write(tmp_path / "q.toml", base + text + "\n"), capsys, key, fragment)
+
+
+# --- issue 18.8: settings that cannot work, accepted before ------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _no_service_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As root beside an installed package, check-config would also check that the qwen4090
+    user can read these temporary files (test_config_risks.py tests that)."""
+    monkeypatch.setenv("QWEN4090_SERVICE_USER", "")
+
+
+@pytest.mark.parametrize("args", [
+    '["--api-k", "s3cret"]', '["--api-ke=s3cret"]', '["--api", "s3cret"]', '["--api-"]',
+    '["--api_k", "s3cret"]', '["--ap=s3cret"]', '["--a", "s3cret"]',
+    '["--seed", "1", "--api-key=s3cret"]',
+])
+def test_an_api_key_flag_abbreviated_in_extra_args_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], base: str, args: str) -> None:
+    # vLLM's argparse expands --api-k to --api-key: the key would be in argv, seen by ps
+    line = one_line_78(write(tmp_path / "q.toml", base + f"extra_args = {args}\n"), capsys,
+                       "vllm.extra_args", "expected no secrets on the command line",
+                       "vllm.api_key_file")
+    assert "s3cret" not in line
+
+
+@pytest.mark.parametrize("args", ['["--seed", "1"]', '["--api-server-count", "2"]',
+                                  '["--api-keys"]', '["-api"]'])
+def test_flags_that_are_not_an_api_key_abbreviation_pass(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], base: str, args: str) -> None:
+    rc, _out, err = check_config(write(tmp_path / "q.toml", base + f"extra_args = {args}\n"),
+                                capsys)
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize(("text", "key", "fragments"), [
+    ("gpu_memory_utilization = 0.6\n[gpu]\nladder_min_util = 0.8",
+     "gpu.ladder_min_util", ("found 0.8 with vllm.gpu_memory_utilization = 0.6",
+                             "at most vllm.gpu_memory_utilization")),
+    ("[restart]\nbackoff_initial = 0\nbudget_window = 1", "restart.budget_window",
+     ("found 1, while 5 failures take at least 4 s", "a crash loop is never detected")),
+    ("[restart]\nbackoff_initial = 60\nbackoff_max = 600\njitter = 0\nbudget_failures = 3\n"
+     "budget_window = 150", "restart.budget_window", ("3 failures take at least 182 s",)),
+    ("[warmup]\nconcurrency = []", "warmup.concurrency", ("at least 1 entry",)),
+    ("[stop]\nterm_timeout = 0.1", "stop.term_timeout", ("found 0.1", "from 1 to 600")),
+])
+def test_combinations_that_cannot_work_are_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], base: str, text: str, key: str,
+        fragments: tuple[str, ...]) -> None:
+    one_line_78(write(tmp_path / "q.toml", base + text + "\n"), capsys, key, *fragments)
+
+
+@pytest.mark.parametrize("text", [
+    # a share below the default floor: the ladder only has no memory-share rung
+    "gpu_memory_utilization = 0.16",
+    "gpu_memory_utilization = 0.6\n[gpu]\nladder_min_util = 0.6",
+    # the shipped budget, and the shortest window that holds 5 instant failures without backoff
+    "[restart]\nbackoff_initial = 0\nbudget_window = 4",
+    "[restart]\nbackoff_initial = 0\nbudget_failures = 1\nbudget_window = 1",
+    "[stop]\nterm_timeout = 1",
+    "[warmup]\nconcurrency = [1]",
+])
+def test_the_edges_of_those_rules_pass(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       base: str, text: str) -> None:
+    rc, _out, err = check_config(write(tmp_path / "q.toml", base + text + "\n"), capsys)
+    assert rc == 0, err
+
+
+def test_the_crash_loop_floor_follows_the_backoff_as_policy_computes_it() -> None:
+    r = config.RestartConfig()  # 2 s doubling, jitter 0.2, 5 failures
+    assert config.shortest_crash_loop(r) == (2 + 4 + 8 + 16) * 0.8 + 4 * 1.0
+    capped = config.RestartConfig(backoff_initial=5, backoff_max=6, jitter=0, budget_failures=4)
+    assert config.shortest_crash_loop(capped) == 5 + 6 + 6 + 3 * 1.0
+    assert config.shortest_crash_loop(config.RestartConfig(budget_failures=1)) == 0
 
 
 # --- one line, whatever the input holds -------------------------------------------------------

@@ -20,6 +20,7 @@ import re
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -188,6 +189,16 @@ def configs(draw: st.DrawFn) -> dict[str, Any]:
 
 
 # --- the property -----------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_service_user() -> Iterator[None]:
+    """As root beside an installed package, check-config would also check that the qwen4090
+    user can read WORK (0700): every config would be refused (test_config_risks.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QWEN4090_SERVICE_USER", "")
+        yield
+
 
 KEY_NAMED = re.compile(r'^qwen4090: config error: (?P<file>[^\n]+?\.toml): '
                        r'(?P<key>(?:"(?:[^"\\]|\\.)*"|[^:\s"])+): \S')
