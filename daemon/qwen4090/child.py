@@ -14,8 +14,9 @@ import os
 import subprocess
 import threading
 import time
+import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,7 @@ class VllmChild:
         self.proc = proc if proc is not None else subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+        OWN.add(self.proc)  # its exit status is ours to poll, never reap_adopted's
         self.pid = self.proc.pid
         self.pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
         # hook (H4 pkg, issue 9 item 8): vLLM more killable than the supervisor; a failure
@@ -435,3 +437,86 @@ def become_subreaper() -> bool:
         return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+# --- children we did not start: orphans of vLLM's tree, adopted as a subreaper (issue 18.3) ---
+#
+# As a subreaper (become_subreaper) we inherit every orphan of vLLM's tree: an API server
+# killed with SIGKILL leaves its EngineCore, workers and resource tracker to us.  Their exit
+# status is nobody's business but the kernel wants it collected, or each stays <defunct> until
+# we exit (seen on the H200 after every SIGKILL of the API server).  The children we started
+# ourselves are another matter: their exit status belongs to the Popen that waits on them (a
+# waitpid() of ours would leave Popen.poll() a made-up 0).  So the loop calls reap_adopted on
+# SIGCHLD with OWN's pids, and reap_adopted waits only for zombies that are neither in it nor
+# possibly ours (see adopted()).
+
+
+class OwnChildren:
+    """The processes this daemon started itself (subprocess.Popen), until their Popen has
+    collected the exit status: what reap_adopted must leave alone.  Weak: a Popen dropped
+    without a wait is forgotten with it (subprocess's own cleanup reaps it)."""
+
+    def __init__(self) -> None:
+        self._procs: weakref.WeakValueDictionary[int, subprocess.Popen[bytes]] = \
+            weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+
+    def add(self, proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+        with self._lock:
+            self._procs[proc.pid] = proc
+        return proc
+
+    def pids(self) -> set[int]:
+        """The pids whose status a Popen of ours has not collected yet."""
+        with self._lock:
+            return {pid for pid, p in self._procs.items() if p.returncode is None}
+
+
+OWN = OwnChildren()  # every Popen of the daemon registers here (VllmChild, preimport.py)
+
+
+def _stat(pid: str, proc_root: str) -> tuple[str, int, int] | None:
+    """(state, ppid, session) from /proc/PID/stat (the command may hold spaces or parens)."""
+    try:
+        text = Path(proc_root, pid, "stat").read_text()
+    except OSError:
+        return None
+    f = text[text.rfind(")") + 2:].split()
+    try:
+        return f[0], int(f[1]), int(f[3])
+    except (IndexError, ValueError):
+        return None
+
+
+def adopted(pid: int, session: int, own: Collection[int], my_session: int) -> bool:
+    """A zombie child whose status is ours to take: not one we started (``own``), and not one
+    we might have started without registering it: a process that leads its own session
+    (``start_new_session``, as every child of ours does) or is in ours (a plain Popen) could
+    be a Popen someone is about to wait for.  vLLM's orphans are in the session of the API
+    server that started them, which is neither."""
+    return pid not in own and session != pid and session != my_session
+
+
+def reap_adopted(own: Collection[int], proc_root: str = "/proc") -> list[tuple[int, int]]:
+    """Wait for every zombie child we adopted (see adopted()); (pid, exit code) of each, the
+    code as Popen gives it (-N: killed by signal N).  Never blocks; never raises."""
+    me, my_session = os.getpid(), os.getsid(0)
+    reaped = []
+    try:
+        names = [n for n in os.listdir(proc_root) if n.isdigit()]
+    except OSError:
+        return []
+    for name in names:
+        st = _stat(name, proc_root)
+        if st is None:
+            continue
+        state, ppid, session = st
+        if state != "Z" or ppid != me or not adopted(int(name), session, own, my_session):
+            continue
+        try:
+            pid, status = os.waitpid(int(name), os.WNOHANG)
+        except OSError:  # gone meanwhile, or not ours after all (ECHILD)
+            continue
+        if pid:  # 0: a leader whose threads still run (its SIGCHLD comes when they end)
+            reaped.append((pid, os.waitstatus_to_exitcode(status)))
+    return reaped

@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 from prometheus_client import CollectorRegistry, Gauge
 
-from qwen4090 import oomscore
+from qwen4090 import child, oomscore
 from qwen4090.vllmfacts import PREIMPORT_MODULES
 
 SCRIPT = Path(__file__).with_name("preimport_main.py")
@@ -88,6 +88,7 @@ class Preimport:
             self.log.warning("preimport_failed", error=e.strerror or str(e),
                              command=python[0])
             return None
+        child.OWN.add(proc)  # its exit status is ours to poll (take), never reap_adopted's
         oomscore.raise_for(proc.pid)  # as killable as the vLLM it will become
         self.proc, self.key, self.started = proc, key, self.clock()
         self.log.info("preimport_started", pid=proc.pid, module=module)

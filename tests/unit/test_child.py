@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from qwen4090 import child
 from qwen4090.child import VllmChild, kernel_oom_line, oom_kill_count, render_argv, render_env
 from qwen4090.config import VllmConfig, from_dict
 
@@ -215,3 +217,109 @@ def test_tensor_parallel_size_is_a_key_not_an_extra_arg() -> None:
     # learned settings belong to the split; one GPU keeps the fingerprint it always had
     assert "tensor_parallel_size" not in fingerprint(from_dict({}), "g", 1)
     assert fingerprint(two, "g", 1)["tensor_parallel_size"] == 2
+
+
+# --- the orphans we adopt as a subreaper (issue 18.3) -------------------------------------------
+
+SUBREAPER_SCENARIO = r'''
+import json, os, subprocess, sys, time
+from qwen4090 import child
+
+def state(pid):
+    try:
+        text = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    f = text[text.rfind(")") + 2:].split()
+    return f[0], int(f[1])
+
+def wait_until(pred, what, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+assert child.become_subreaper()
+me = os.getpid()
+# vLLM's tree: a leader in its own session whose child (the "EngineCore") outlives it
+LEADER = (
+    "import os, sys, time\n"
+    "gc = os.fork()\n"
+    "if gc == 0:\n"
+    "    parent = os.getppid()\n"
+    "    deadline = time.monotonic() + 20\n"
+    "    while os.getppid() == parent and time.monotonic() < deadline:\n"
+    "        time.sleep(0.01)\n"
+    "    os._exit(7)\n"
+    "print(gc, flush=True)\n"
+    "os._exit(0)\n")
+tree = child.OWN.add(subprocess.Popen([sys.executable, "-c", LEADER], stdout=subprocess.PIPE,
+                                      start_new_session=True))
+gc = int(tree.stdout.readline())
+# ours, as vLLM's API server and the pre-imported interpreter are: registered, own session
+own = child.OWN.add(subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"],
+                                     start_new_session=True))
+# a Popen someone forgot to register, in our session (a subprocess.run in a thread)
+plain = subprocess.Popen([sys.executable, "-c", "raise SystemExit(4)"])
+for pid in (tree.pid, own.pid, plain.pid):
+    wait_until(lambda: state(pid) == ("Z", me), f"{pid} to exit")
+wait_until(lambda: state(gc) == ("Z", me), "the orphan to exit under us")
+out = {"gc": gc, "gc_before": state(gc)}
+out["with_gc_as_own"] = child.reap_adopted({*child.OWN.pids(), gc})
+out["reaped"] = child.reap_adopted(child.OWN.pids())
+out["again"] = child.reap_adopted(child.OWN.pids())
+out["gc_after"] = state(gc)
+out["codes"] = [tree.wait(5), own.wait(5), plain.wait(5)]
+out["own_after_wait"] = sorted(child.OWN.pids())
+print(json.dumps(out))
+'''
+
+
+def test_adopted_zombies_are_reaped_and_our_own_children_keep_their_status() -> None:
+    res = subprocess.run([sys.executable, "-c", SUBREAPER_SCENARIO], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    gc = out["gc"]
+    assert out["gc_before"][0] == "Z"  # adopted, dead, and left <defunct> until reaped
+    assert out["with_gc_as_own"] == []  # what the caller calls its own is never taken
+    assert out["reaped"] == [[gc, 7]]  # the orphan, with its exit code
+    assert out["again"] == [] and out["gc_after"] is None
+    # the leader (0), a registered child (3) and an unregistered one in our session (4)
+    assert out["codes"] == [0, 3, 4]
+    assert out["own_after_wait"] == []
+
+
+def test_reaping_a_killed_orphan_gives_its_signal() -> None:
+    scenario = SUBREAPER_SCENARIO.replace("os._exit(7)", "os.kill(os.getpid(), 9)")
+    res = subprocess.run([sys.executable, "-c", scenario], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["reaped"] == [[out["gc"], -signal.SIGKILL]]
+
+
+@pytest.mark.parametrize(("pid", "session", "own", "ours"), [
+    (200, 100, set(), True),  # in the session of a (dead) API server: vLLM's orphan
+    (200, 100, {200}, False),  # registered: its Popen waits for it
+    (200, 200, set(), False),  # leads its own session: maybe an unregistered Popen of ours
+    (200, 50, set(), False),  # in our session (50): maybe an unregistered plain Popen
+])
+def test_which_zombies_are_ours_to_reap(pid: int, session: int, own: set[int],
+                                        ours: bool) -> None:
+    assert child.adopted(pid, session, own, my_session=50) is ours
+
+
+def test_own_children_are_forgotten_once_their_status_is_collected() -> None:
+    reg = child.OwnChildren()
+    p = reg.add(subprocess.Popen([sys.executable, "-c", "pass"]))
+    assert reg.pids() == {p.pid}
+    p.wait(30)
+    assert reg.pids() == set()  # its pid may be reused by an orphan now
+    del p
+    assert reg.pids() == set()
+
+
+def test_reap_adopted_with_no_proc_is_nothing(tmp_path: Path) -> None:
+    assert child.reap_adopted(set(), proc_root=str(tmp_path / "none")) == []
