@@ -29,10 +29,12 @@ from qwen4090.notify import child_environment
 from qwen4090.policy import oom_evidence
 from qwen4090.vllmfacts import (
     ENGINE_PROC,
+    KV_LINE,
     UVICORN,
     VllmLine,
     engine_died,
     is_probe_access,
+    match_line,
     parse_vllm_line,
 )
 
@@ -130,17 +132,15 @@ class LineRouter:
     First to every ``clue`` sink, unfiltered (the timeline: any line may mark a phase or be
     the first sign of a fault), then to ``log`` at vLLM's own level for the line — except the
     access lines of our own probes (noise), and lines below ``level()``, the current
-    log.vllm_level (asked per line, so a reload applies at once) — and last, a line that says
-    the EngineCore died, to ``engine_dead`` (the supervisor restarts at once).  One router per
-    child: ``engine_dead`` knows which child spoke.
+    log.vllm_level (asked per line, so a reload applies at once).  The child itself tells the
+    supervisor when a line says the EngineCore died (VllmChild's ``on_engine_dead``).
     """
 
     def __init__(self, log: Any, level: Callable[[], str], clues: Sequence[LineSink] = (),
-                 engine_dead: Callable[[str], None] = lambda line: None) -> None:
+) -> None:
         self.log = log
         self.level = level
         self.clues = list(clues)
-        self.engine_dead = engine_dead
 
     def __call__(self, stream: str, line: str) -> None:
         for clue in self.clues:
@@ -149,8 +149,6 @@ class LineRouter:
         if shown is not None:
             fields = {"proc": shown.proc} if shown.proc else {}
             getattr(self.log, shown.level)(shown.message, **fields)
-        if engine_died(line):
-            self.engine_dead(line)
 
     def shown(self, stream: str, line: str) -> VllmLine | None:
         """What our log shows of this line (None: nothing)."""
@@ -167,9 +165,14 @@ class VllmChild:
 
     def __init__(self, argv: list[str], env: dict[str, str], on_line: LineSink,
                  tail_lines: int = 200, clock: Callable[[], float] = time.monotonic,
-                 proc: subprocess.Popen[bytes] | None = None) -> None:
+                 proc: subprocess.Popen[bytes] | None = None,
+                 on_engine_dead: Callable[[VllmChild, str], None] = lambda child, line: None
+                 ) -> None:
         """Start ``argv``, or adopt ``proc``: a pre-imported interpreter (preimport.py) that
-        was started in its own group with ``env`` and has just been told to become vLLM."""
+        was started in its own group with ``env`` and has just been told to become vLLM.
+        Each output line goes to ``on_line``; one that says the EngineCore died also goes to
+        ``on_engine_dead`` with this child, so the supervisor knows which vLLM said it (an old
+        child's late line is not the current one's)."""
         self.argv = argv
         self.env = env  # what it runs with: a pre-imported successor must match it
         self.clock = clock
@@ -178,7 +181,9 @@ class VllmChild:
         self.last_output = clock()
         self.started = clock()
         self._on_line = on_line
+        self._on_engine_dead = on_engine_dead
         self._lock = threading.Lock()
+        self._kv: tuple[int | None, int | None] = (None, None)
         self.proc = proc if proc is not None else subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
@@ -208,9 +213,14 @@ class VllmChild:
                 self.tail.append(line)
                 self.lines += 1
                 self.last_output = self.clock()
+                if KV_LINE in line:  # cheap first: match_line runs a dozen patterns
+                    m = match_line(line, stream)
+                    self._kv = (self._kv[0] or m.kv_tokens, self._kv[1] or m.kv_bytes)  # the first
             # A logging problem must not stop the pump (vLLM would block on a full pipe).
             with contextlib.suppress(Exception):
                 self._on_line(stream, line)
+                if engine_died(line):  # after our log has it
+                    self._on_engine_dead(self, line)
         pipe.close()  # type: ignore[attr-defined]
 
     def poll(self) -> int | None:
@@ -219,6 +229,11 @@ class VllmChild:
     def tail_lines(self) -> list[str]:
         with self._lock:
             return list(self.tail)
+
+    def kv_cache(self) -> tuple[int | None, int | None]:
+        """What vLLM said of its KV cache: (tokens, bytes), each None until it said so."""
+        with self._lock:
+            return self._kv
 
     def output_closed(self) -> bool:
         """Both readers have seen the end of vLLM's output (every writer is gone).
@@ -417,16 +432,20 @@ def tcp_connections(proc: psutil.Process) -> list[Any]:
     return list(get(kind="tcp"))
 
 
-def spawn(cfg: Config, on_line: LineSink, env: Mapping[str, str] | None = None,
-          clock: Callable[[], float] = time.monotonic,
+def spawn(argv: Sequence[str], cfg: Config, on_line: LineSink,
+          env: Mapping[str, str] | None = None, clock: Callable[[], float] = time.monotonic,
           take: Callable[[list[str], dict[str, str]], subprocess.Popen[bytes] | None]
-          | None = None) -> VllmChild:
-    """vLLM for ``cfg``: a new process, or the one ``take`` hands over (preimport.Preimport)."""
+          | None = None,
+          on_engine_dead: Callable[[VllmChild, str], None] = lambda child, line: None
+          ) -> VllmChild:
+    """vLLM with ``argv`` (launch.Launch.argv: rendered once, by the launch's resolver) and
+    ``cfg``'s environment: a new process, or the one ``take`` hands over (preimport.py)."""
     env = os.environ if env is None else env
     key = read_api_key(cfg.vllm, env)
-    argv, child_env = render_argv(cfg.vllm), render_env(cfg.vllm, env, key)
-    return VllmChild(argv, child_env, on_line, tail_lines=cfg.log.tail_lines, clock=clock,
-                     proc=take(argv, child_env) if take is not None else None)
+    child_env = render_env(cfg.vllm, env, key)
+    return VllmChild(list(argv), child_env, on_line, tail_lines=cfg.log.tail_lines,
+                     clock=clock, proc=take(list(argv), child_env) if take is not None else None,
+                     on_engine_dead=on_engine_dead)
 
 
 def become_subreaper() -> bool:
@@ -488,6 +507,25 @@ def _stat(pid: str, proc_root: str) -> tuple[str, int, int] | None:
         return None
 
 
+def _children(me: int, proc_root: str) -> list[str]:
+    """Our children's pids: each thread's ``children`` file (a few reads, where a walk of
+    /proc reads every process: 4.5 ms for 114), else every process (a kernel without
+    CONFIG_PROC_CHILDREN); the caller checks each one's parent anyway."""
+    task = Path(proc_root, str(me), "task")
+    try:
+        found = set(Path(task, str(me), "children").read_text().split())  # the main thread
+        for tid in os.listdir(task):
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                found.update(Path(task, tid, "children").read_text().split())
+        return sorted(found)
+    except OSError:
+        pass
+    try:
+        return [n for n in os.listdir(proc_root) if n.isdigit()]
+    except OSError:
+        return []
+
+
 def adopted(pid: int, session: int, own: Collection[int], my_session: int) -> bool:
     """A zombie child whose status is ours to take: not one we started (``own``), and not one
     we might have started without registering it: a process that leads its own session
@@ -502,11 +540,7 @@ def reap_adopted(own: Collection[int], proc_root: str = "/proc") -> list[tuple[i
     code as Popen gives it (-N: killed by signal N).  Never blocks; never raises."""
     me, my_session = os.getpid(), os.getsid(0)
     reaped = []
-    try:
-        names = [n for n in os.listdir(proc_root) if n.isdigit()]
-    except OSError:
-        return []
-    for name in names:
+    for name in _children(me, proc_root):
         st = _stat(name, proc_root)
         if st is None:
             continue

@@ -10,18 +10,44 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from qwen4090 import __version__, bench, httpapi, logs, plancmd, provision, statuscmd
+from qwen4090 import (
+    __version__,
+    bench,
+    caches,
+    child,
+    httpapi,
+    instance,
+    logs,
+    plancmd,
+    preimport,
+    provision,
+    readahead,
+    signals,
+    statuscmd,
+    timeline,
+    warmup,
+)
 from qwen4090 import config as config_mod
 from qwen4090.commands import config_arg, config_error
 from qwen4090.config import Config, ConfigError
+from qwen4090.contracts import Launch, LogLike, Parts
+from qwen4090.events import Event, Listener, Reloaded, Transition
+from qwen4090.gpu import GpuParts
+from qwen4090.notify import Notifier
 from qwen4090.policy import EX_CONFIG, EX_SOFTWARE, EXIT_CODES
+from qwen4090.probes.http import VllmProbe
+from qwen4090.redact import safe_error
+from qwen4090.states import State
+from qwen4090.supervisor import Supervisor
 
 # sd_notify messages systemd has not taken yet (notify.Notifier.flush): tried again this soon,
 # and at the exit for at most this long (STOPPING=1 and the last STATUS= should reach it).
@@ -92,11 +118,19 @@ class ThreadRunner:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from qwen4090 import child, signals, warmup
-    from qwen4090.notify import Notifier
-    from qwen4090.probes.http import VllmProbe
-    from qwen4090.supervisor import Parts, Supervisor
+    """Build the parts, then serve.  The signal handlers come first: a SIGHUP or SIGTERM at any
+    moment after exec is queued for the supervisor (its first step handles it), never fatal —
+    also during the driver wait and the stop of a predecessor's orphan (issue 18.2)."""
+    wake = signals.Wakeup()
+    pending: deque[int] = deque()
+    signals.install(pending.append, wake)
+    try:
+        return serve(args, wake, pending)
+    finally:
+        signals.restore()
 
+
+def serve(args: argparse.Namespace, wake: signals.Wakeup, pending: deque[int]) -> int:
     try:
         cfg = config_mod.load(args.config)
     except ConfigError as e:
@@ -104,142 +138,62 @@ def cmd_run(args: argparse.Namespace) -> int:
         logs.get_logger().error("config_error", error=str(e))
         return EX_CONFIG
     logs.setup(cfg.log.format, cfg.log.level)
+    logs.set_vllm_level(cfg.log.vllm_level)
     log = logs.get_logger()
     log.info("starting", version=__version__, config=",".join(cfg.sources), pid=os.getpid())
-    # --- one instance per vLLM port, and what a killed one left (issue 8.3, 8.5; instance.py)
-    from qwen4090 import instance
-
+    # One instance per vLLM port, and what a killed one left (issue 8.3, 8.5; instance.py).
     try:
         inst = instance.Instance.take(cfg, log)
     except instance.InstanceError as e:
         log.error("instance_refused", error=str(e))
         return EX_CONFIG
-    # --- end
     child.become_subreaper()
-    wake = signals.Wakeup()
     notifier = Notifier(on_error=lambda msg: log.warning("notify_failed", error=msg))
-    holder: dict[str, Supervisor] = {}
-    vlog = logs.get_logger(source="vllm")
-    # --- recovery (timeline.py): startup/recovery timelines from vLLM's lines and our events
-    from qwen4090 import timeline
-
-    watch = timeline.TimelineWatch(log)
-    # --- end recovery
-
-    def vllm_level() -> str:
-        return holder["sup"].cfg.log.vllm_level if "sup" in holder else "info"
-
-    def make_probe(c: Config) -> VllmProbe:
-        return VllmProbe(c.vllm.host, c.vllm.port, c.vllm.served_model_name,
-                         child.read_api_key(c.vllm, os.environ))
-
-    from qwen4090.gpu import GpuParts
-
     gpu = GpuParts(log)
-    why = gpu.wait_for_driver(cfg, notifier.extend_timeout)
+    why = gpu.wait_for_driver(cfg, notifier.extend_timeout,
+                              stopping=lambda: any(s in signals.STOPS for s in pending))
     if why:
         log.error("gpu_driver_not_ready", reason=why, waited=cfg.gpu.driver_wait)
-    # (owner) the orphan's GPU memory is looked up on our device
-    inst.stop_orphans(cfg.stop.term_timeout,
-                      (lambda pids: gpu.held(cfg.gpu.device, pids))
-                      if cfg.gpu.enabled != "off" else None,
-                      cfg.gpu.release_timeout)
-    # --- recovery: a fixed KV budget from the last good start, read-ahead of the weights,
-    # a pre-imported interpreter for the next start
-    from qwen4090 import caches, preimport, readahead
+    gpu.wait_released(cfg, inst.stop_orphans(cfg.stop.term_timeout))
 
-    pre = preimport.Preimport(log)
+    watch = timeline.TimelineWatch(log)  # start-up and recovery timelines
+    pre = preimport.Preimport(log)  # the interpreter the next vLLM starts in
+    sup: Supervisor  # built below; vLLM's lines and the NVML threads report to it
 
-    def spawn(c: Config) -> Any:
-        if c.restart.readahead:
-            readahead.start(c.vllm.model, log)
-        if not c.restart.preimport:
-            pre.discard("restart.preimport is off")
-        box: dict[str, Any] = {}  # this child, for its own lines (an old child's may come late)
+    def engine_dead(c: child.VllmChild, line: str) -> None:  # a pipe reader's thread
+        sup.report_engine_dead(c, line)
+        wake.wake()
 
-        def engine_dead(line: str) -> None:
-            if "sup" in holder:
-                holder["sup"].report_engine_dead(box.get("child"), line)
-                wake.wake()
+    def gpu_fault(detail: str) -> None:  # NVML's thread: queue it and wake the loop
+        sup.report_gpu_fault(detail)
+        wake.wake()
 
-        # vLLM's lines: every one to the timeline, then our log, then the engine's death
-        sink = child.LineRouter(vlog, vllm_level, clues=[watch.on_line],
-                                engine_dead=engine_dead)
-        box["child"] = inst.spawn(c, lambda launch: child.spawn(
-            launch, sink, env=caches.cache_environment(os.environ, launch.vllm.env),
-            take=pre.take if c.restart.preimport else None))
-        return box["child"]
-
-    def preimport_next(report: dict[str, Any]) -> None:
-        # At READY: the interpreter for the next start, with this child's command and env.
-        sup = holder["sup"]
-        if not sup.cfg.restart.preimport:
-            pre.discard("restart.preimport is off")
-        elif isinstance(sup.child, child.VllmChild):
-            pre.prepare(sup.child.argv, sup.child.env)
-
-    def kv_record(report: dict[str, Any]) -> None:
-        if gpu.remember_kv(holder["sup"].launch, report):
-            log.info("kv_budget_recorded", kv_bytes=report.get("kv_bytes"),
-                     kv_tokens=report.get("kv_tokens"))
-
-    def kv_forget(report: dict[str, Any]) -> None:
-        if gpu.forget_kv(holder["sup"].launch):
-            log.warning("kv_budget_forgotten", reason="a start with the fixed KV budget failed"
-                                                      "; the next one profiles again")
-
-    watch.on_ready.append(kv_record)
-    watch.on_ready.append(preimport_next)
-    watch.on_failed.append(kv_forget)
-    # --- end recovery
+    sink = child.LineRouter(logs.get_logger(source="vllm"), logs.vllm_level,
+                            clues=[watch.on_line])
     parts = Parts(
-        spawn=spawn,
+        spawn=VllmLauncher(inst, pre, sink, engine_dead, log),
         ports=inst,
         make_probe=make_probe,
-        preflight=gpu.preflight,
         gpu=gpu,
-        warmup=warmup.run,  # type: ignore[arg-type]
+        warmup=warmup.run,
         load_config=lambda: config_mod.load(args.config),
         notifier=notifier,
         executor=ThreadRunner(wake.wake),
         log=log,
     )
-    parts.listeners.append(watch)  # recovery: startup_timeline / recovery_timeline events
-    sup = Supervisor(cfg, parts)
-    holder["sup"] = sup
-
-    def on_gpu_fault(detail: str) -> None:  # NVML's thread: queue it and wake the loop
-        sup.report_gpu_fault(detail)
-        wake.wake()
-
-    # --- gpu (H5): samples reach the listeners (/status, /metrics)
-    gpu.start_watch(cfg, on_gpu_fault, sup.report_gpu_sample)
-    # --- end gpu
+    sup = Supervisor(cfg, parts, signals=pending)
+    parts.listeners += [watch, prepare_next(sup, pre)]
+    gpu.start_watch(cfg, gpu_fault, sup.report_gpu_sample)  # samples: /status, /metrics
     api = start_status(sup, log, sources=[watch, pre])  # /status, /metrics, /livez, /readyz
-    sup.p.listeners.append(reload_fanout(sup, gpu, api, on_gpu_fault))
-    signals.install(sup.deliver, wake)
+    parts.listeners.append(reload_fanout(sup, gpu, api, gpu_fault))
     try:
-        while not sup.done:
-            began = time.monotonic()
-            sup.step()
-            api.beat()
-            if (took := time.monotonic() - began) > LOOP_STALL:
-                log.warning("loop_stalled", seconds=round(took, 1), state=sup.state.value,
-                            notify_pending=notifier.pending)
-            # sd_notify never blocks the loop: what systemd has not taken yet goes out soon
-            pause = sup.next_wakeup(time.monotonic())
-            wake.wait(pause if notifier.flush() else min(pause, NOTIFY_RETRY))
+        loop(sup, api, notifier, wake, log)
     except Exception as e:
-        from qwen4090.redact import safe_error
-
         log.critical("internal_error", error=safe_error(e, where=True))
         if sup.child is not None:
-            import signal as _signal
-
-            sup.child.signal_group(_signal.SIGKILL)
+            sup.child.signal_group(signal.SIGKILL)
         return EX_SOFTWARE
     finally:
-        signals.restore()
         gpu.stop_watch()
         pre.discard("stopping")
         inst.close(group_gone=sup.child is None or not sup.child.group_alive())
@@ -251,11 +205,69 @@ def cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
-def start_status(sup: Any, log: Any, sources: Sequence[httpapi.StatusSource] = ()
+def loop(sup: Supervisor, api: httpapi.StatusApi, notifier: Notifier, wake: signals.Wakeup,
+         log: LogLike) -> None:
+    """Step the supervisor until it is done, sleeping until its next deadline."""
+    while not sup.done:
+        began = time.monotonic()
+        sup.step()
+        api.beat()
+        if (took := time.monotonic() - began) > LOOP_STALL:
+            log.warning("loop_stalled", seconds=round(took, 1), state=sup.state.value,
+                        notify_pending=notifier.pending)
+        # sd_notify never blocks the loop: what systemd has not taken yet goes out soon
+        pause = sup.next_wakeup(time.monotonic())
+        wake.wait(pause if notifier.flush() else min(pause, NOTIFY_RETRY))
+
+
+def make_probe(c: Config) -> VllmProbe:
+    return VllmProbe(c.vllm.host, c.vllm.port, c.vllm.served_model_name,
+                     child.read_api_key(c.vllm, os.environ))
+
+
+class VllmLauncher:
+    """Parts.spawn: vLLM for a resolved launch, under the instance lock (which records it):
+    its lines to ``sink`` (the timeline, our log), its engine's death to ``engine_dead``, the
+    weights read ahead, the pre-imported interpreter taken when it was made for this argv."""
+
+    def __init__(self, inst: instance.Instance, pre: preimport.Preimport,
+                 sink: child.LineSink, engine_dead: Callable[[child.VllmChild, str], None],
+                 log: LogLike) -> None:
+        self.inst, self.pre, self.sink, self.engine_dead, self.log = \
+            inst, pre, sink, engine_dead, log
+
+    def __call__(self, launch: Launch) -> child.VllmChild:
+        c = launch.config
+        if c.restart.readahead:
+            readahead.start(c.vllm.model, self.log)
+        if not c.restart.preimport:
+            self.pre.discard("restart.preimport is off")
+        started: child.VllmChild = self.inst.spawn(c, lambda cfg: child.spawn(
+            launch.argv, cfg, self.sink, env=caches.cache_environment(os.environ, cfg.vllm.env),
+            take=self.pre.take if cfg.restart.preimport else None,
+            on_engine_dead=self.engine_dead))
+        return started
+
+
+def prepare_next(sup: Supervisor, pre: preimport.Preimport) -> Listener:
+    """At READY: the interpreter for the next start, with this child's command and env."""
+    def on_event(event: Event) -> None:
+        if not (isinstance(event, Transition) and event.dst is State.READY
+                and event.src is State.WARMING):
+            return
+        if not sup.cfg.restart.preimport:
+            pre.discard("restart.preimport is off")
+        elif isinstance(sup.child, child.VllmChild):
+            pre.prepare(sup.child.argv, sup.child.env)
+    return on_event
+
+
+def start_status(sup: httpapi.ServedSupervisor, log: LogLike,
+                 sources: Sequence[httpapi.StatusSource] = ()
                  ) -> httpapi.StatusApi:
     """The status endpoint, serving on ``[status]`` host:port if enabled and free: its Telemetry
     listens to the supervisor, and each source adds facts to /status and families to /metrics
-    (e.g. timeline.TimelineWatch).  ``sup`` is the Supervisor."""
+    (e.g. timeline.TimelineWatch)."""
     telemetry = httpapi.Telemetry(clock=sup.p.clock, wall=sup.p.wall)
     sup.p.listeners.append(telemetry)
 
@@ -272,16 +284,17 @@ def start_status(sup: Any, log: Any, sources: Sequence[httpapi.StatusSource] = (
     return api
 
 
-def reload_fanout(sup: Any, gpu: Any, api: httpapi.StatusApi,
-                  on_gpu_fault: Callable[[str], None]) -> Callable[[str, dict[str, Any]], None]:
+def reload_fanout(sup: Supervisor, gpu: GpuParts, api: httpapi.StatusApi,
+                  on_gpu_fault: Callable[[str], None]) -> Listener:
     """A supervisor listener that redoes, after a reload, what cmd_run set up from a changed
     section: logging ([log]), the GPU watch ([gpu]) and the status endpoint ([status]).  The
     supervisor itself reads every other setting from its current config."""
-    def on_event(event: str, fields: dict[str, Any]) -> None:
-        if event != "reloaded":
+    def on_event(event: Event) -> None:
+        if not isinstance(event, Reloaded):
             return
-        changed, cfg = fields.get("changed", []), sup.cfg
+        changed, cfg = event.changed, sup.cfg
         if "log" in changed:
+            logs.set_vllm_level(cfg.log.vllm_level)
             chosen = logs.setup(cfg.log.format, cfg.log.level)
             sup.log.info("logging_reconfigured", format=chosen, log_level=cfg.log.level)
         if "gpu" in changed:

@@ -2,14 +2,16 @@
 holds memory), the checks of a launch against the GPU, and what a launch teaches (the OOM
 ladder's step-down, the fixed KV budget) — what is launched is launch.py's.
 
-Built once by cli.py and handed to the supervisor as ``Parts.gpu`` (supervisor.GpuLike) and its
-``preflight``.  With ``[gpu] enabled = "auto"`` and no NVML (a machine without an NVIDIA GPU)
+Built once by cli.py and handed to the supervisor as ``Parts.gpu`` (contracts.GpuLike): the one
+door through which the daemon reaches the GPU and the store of what a start teaches.  With
+``[gpu] enabled = "auto"`` and no NVML (a machine without an NVIDIA GPU)
 every check steps aside, and the ladder still runs from vLLM's own error texts.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,8 +35,10 @@ class GpuParts:
 
     # --- at start ---------------------------------------------------------------------------
 
-    def wait_for_driver(self, cfg: Config, extend: Callable[[float], object]) -> str | None:
-        """Bounded wait for NVML and /dev/nvidia-uvm (the boot race); None = ready/not needed."""
+    def wait_for_driver(self, cfg: Config, extend: Callable[[float], object],
+                        stopping: Callable[[], bool] = lambda: False) -> str | None:
+        """Bounded wait for NVML and /dev/nvidia-uvm (the boot race); None = ready/not needed.
+        ``stopping`` True (a SIGTERM came meanwhile) ends the wait at once."""
         g = cfg.gpu
         if g.enabled == "off":
             return None
@@ -46,7 +50,7 @@ class GpuParts:
             self.log.warning("gpu_driver_wait", reason=why, seconds_left=round(left))
             extend(left + 30)
 
-        why = nvml.wait_for_driver(g.driver_wait, on_wait=waiting)
+        why = nvml.wait_for_driver(g.driver_wait, on_wait=waiting, stopping=stopping)
         if why is None:
             mem = nvml.memory(g.device)
             if not isinstance(mem, str):
@@ -166,11 +170,12 @@ class GpuParts:
 
     # --- after a start ------------------------------------------------------------------------
 
-    def remember_kv(self, launched: Launch, report: dict[str, Any]) -> bool:
+    def remember_kv(self, launched: Launch, tokens: int | None, kv_bytes: int | None) -> bool:
         """READY: keep the KV-cache bytes vLLM sized for the next launch (fixed_kv_budget)."""
         store = kvbudget.KvBudget(learned.state_dir(launched.config, self.env))
         per_token = launched.plan.kv_bytes_per_token if launched.plan is not None else None
-        return store.record(launched.config, launched.kv_base, report, per_token)
+        return store.record(launched.config, launched.kv_base,
+                            {"kv_tokens": tokens, "kv_bytes": kv_bytes}, per_token)
 
     def forget_kv(self, launched: Launch) -> bool:
         """A start given the KV budget failed: the next one profiles again."""
@@ -211,6 +216,22 @@ class GpuParts:
         return [rung.describe()]
 
     # --- between stop and relaunch ------------------------------------------------------------
+
+    def wait_released(self, cfg: Config, pids: list[int],
+                      sleep: Callable[[float], None] = time.sleep,
+                      clock: Callable[[], float] = time.monotonic) -> None:
+        """At start, after a predecessor's orphaned vLLM was stopped: wait (up to
+        gpu.release_timeout) until its pids hold no memory on our GPU."""
+        if not pids or cfg.gpu.enabled == "off":
+            return
+        start = clock()
+        while (held := self.held(cfg.gpu.device, pids)) is not None:
+            if clock() - start >= cfg.gpu.release_timeout:
+                self.log.warning("gpu_not_released", waited=round(clock() - start, 2),
+                                 holders=held)
+                return
+            sleep(0.5)
+        self.log.info("gpu_released", waited=round(clock() - start, 2))
 
     def held(self, device: int, pids: list[int]) -> str | None:
         """Which of these pids still hold memory on the GPU with this NVML index (None: none,

@@ -39,6 +39,7 @@ from prometheus_client.core import (
 
 from qwen4090 import __version__, vllmfacts
 from qwen4090.config import Config, StatusConfig, as_dict
+from qwen4090.events import Event, GpuSampled, HangSeen, Restarted, Transition
 from qwen4090.policy import Cause
 from qwen4090.probes.http import MetricsResult
 from qwen4090.redact import safe_error
@@ -55,9 +56,29 @@ _SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSW|CREDENTIAL)", re.I)
 
 class SupervisorLike(Protocol):
     cfg: Config
-    last_metrics: MetricsResult | None
+
+    @property
+    def last_metrics(self) -> MetricsResult | None: ...
 
     def snapshot(self) -> dict[str, Any]: ...
+
+
+class PartsView(Protocol):
+    """The supervisor's parts the endpoint uses: its clocks, and its listeners (Telemetry)."""
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+    @property
+    def wall(self) -> Callable[[], float]: ...
+    @property
+    def listeners(self) -> list[Any]: ...
+
+
+class ServedSupervisor(SupervisorLike, Protocol):
+    """What cli.start_status needs of the supervisor."""
+
+    @property
+    def p(self) -> PartsView: ...
 
 
 # --- what we count from the supervisor's events ------------------------------------------------
@@ -83,24 +104,24 @@ class Telemetry:
         self.gpu: dict[str, Any] | None = None
         self.gpu_at: float | None = None  # monotonic time of the GPU sample
 
-    def __call__(self, event: str, fields: dict[str, Any]) -> None:
+    def __call__(self, event: Event) -> None:
         now = self.clock()
         with self._lock:
-            if event == "transition":
-                if fields.get("to") == State.STARTING.value:
+            if isinstance(event, Transition):
+                if event.dst is State.STARTING:
                     self.spawned_at = now
-                elif fields.get("to") == State.READY.value and fields.get("from") == \
-                        State.WARMING.value and self.spawned_at is not None:
+                elif event.dst is State.READY and event.src is State.WARMING \
+                        and self.spawned_at is not None:
                     self.time_to_ready = now - self.spawned_at
                     if self.first_ready_after is None:
                         self.first_ready_after = now - self.started_at
-            elif event == "restart":
-                cause = str(fields.get("cause", "unknown"))
-                self.restarts_by_cause[cause] = self.restarts_by_cause.get(cause, 0) + 1
-            elif event == "hang":
+            elif isinstance(event, Restarted):
+                self.restarts_by_cause[event.cause] = \
+                    self.restarts_by_cause.get(event.cause, 0) + 1
+            elif isinstance(event, HangSeen):
                 self.hangs += 1
-            elif event == "gpu_sample":
-                self.gpu = dict(fields)
+            elif isinstance(event, GpuSampled):
+                self.gpu = dict(event.fields)
                 self.gpu_at = now
 
     def counts(self) -> dict[str, Any]:

@@ -89,3 +89,17 @@ def get_logger(**bind: Any) -> Any:
     # A lazy proxy, also with bound values: each call uses the configuration in effect, so a
     # reload's setup() reaches loggers made before it (.bind() would freeze the old one).
     return structlog.get_logger("qwen4090", **bind)
+
+
+# The level from which vLLM's own lines are shown ([log] vllm_level): set at start and by a
+# reload, read for every line by the child's line router (child.LineRouter).
+_vllm_level = "info"
+
+
+def set_vllm_level(level: str) -> None:
+    global _vllm_level
+    _vllm_level = level
+
+
+def vllm_level() -> str:
+    return _vllm_level

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from types import FrameType
 
 HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOPS = (signal.SIGTERM, signal.SIGINT)  # a stop; SIGHUP is a reload
 # Only wake the loop: vLLM's API server (our child) or an orphan of its group (re-parented to
 # us, the subreaper) has ended, so reap and the group's wait look now instead of at the next
 # tick (a killed API server was seen up to 0.5 s late).  Never queued as a command.

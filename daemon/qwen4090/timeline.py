@@ -32,6 +32,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 
+from qwen4090.events import ChildExitSeen, Event, HangSeen, Restarted, Transition
 from qwen4090.states import State
 from qwen4090.vllmfacts import LineMatch, match_line
 
@@ -166,10 +167,6 @@ class TimelineWatch:
         self.last_error_line: float | None = None  # since the last READY
         self.stalled_since: float | None = None  # from the supervisor's hang event
         self.exit_seen: float | None = None  # the loop saw vLLM's main process gone
-        # Called with the startup report of every start that reached READY (kv budget, ...).
-        self.on_ready: list[Callable[[dict[str, Any]], None]] = []
-        # ... and of every start that failed before READY.
-        self.on_failed: list[Callable[[dict[str, Any]], None]] = []
         self.phase_hist = Histogram(
             "qwen4090_startup_phase_seconds", "seconds of each vLLM start-up phase (named after "
             "the mark that ends it), starts that reached READY", ["phase"], registry=None,
@@ -206,20 +203,19 @@ class TimelineWatch:
 
     # --- the supervisor's events (its loop) ---------------------------------------------------
 
-    def __call__(self, event: str, fields: dict[str, Any]) -> None:
+    def __call__(self, event: Event) -> None:
         now = self.clock()
         done: list[tuple[str, dict[str, Any]]] = []
         with self._lock:
-            if event == "hang":
-                self.stalled_since = now - float(fields.get("stalled", 0.0))
-            elif event == "child_exit_seen":
+            if isinstance(event, HangSeen):
+                self.stalled_since = now - event.stalled
+            elif isinstance(event, ChildExitSeen):
                 self.exit_seen = now
-            elif event == "restart" and self.recovery is not None:
+            elif isinstance(event, Restarted) and self.recovery is not None:
                 self.recovery.at.setdefault("group_gone", now)
-            elif event == "transition":
-                done = self._transition(now, str(fields.get("from")), str(fields.get("to")),
-                                        str(fields.get("reason", "")))
-        for name, report in done:  # log and notify outside the lock
+            elif isinstance(event, Transition):
+                done = self._transition(now, event.src.value, event.dst.value, event.reason)
+        for name, report in done:  # log and observe outside the lock
             self._tell(name, report)
 
     def _transition(self, now: float, src: str, dst: str, reason: str
@@ -278,18 +274,10 @@ class TimelineWatch:
         summary = " ".join(f"{k}={v:g}" for k, v in (report.get("at") or {}).items())
         if name == "startup_timeline":
             self.log.info(name, summary=summary, **report)
-            ready = report.get("outcome") == "ready"
-            if ready:
+            if report.get("outcome") == "ready":
                 for phase, secs in took.items():
                     self.phase_hist.labels(phase).observe(secs)
                 self.phase_hist.labels("total").observe(float(report["total"]))
-            hooks = self.on_ready if ready else \
-                self.on_failed if report.get("outcome") == "failed" else []
-            for hook in hooks:
-                try:
-                    hook(report)
-                except Exception as e:  # a hook must never break the loop
-                    self.log.error("startup_hook_failed", error=repr(e))
         else:
             self.log.info(name, summary=summary, **report)
             for phase, secs in took.items():

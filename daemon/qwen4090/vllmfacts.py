@@ -199,6 +199,8 @@ STARTUP_LINES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     # uvicorn on stderr: "INFO:     Application startup complete."
     ("api_listening", re.compile(r"Application startup complete"), "first"),
 )
+# Every line that says a KV-cache fact contains this (a cheap test before match_line).
+KV_LINE = "KV cache"
 _KV_TOKENS = re.compile(r"KV cache size: (?P<n>[\d,]+) tokens")
 # The KV cache's bytes, as vLLM says them (GiB with 2 decimals, format_gib):
 # CUDA profiled: "Available KV cache memory: 99.27 GiB"; CUDA with --kv-cache-memory-bytes:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from qwen4090.config import AUTO, Config
-from qwen4090.probes.http import CompletionResult, VllmProbe
+from qwen4090.probes.http import CompletionResult, ProbeLike
 from qwen4090.redact import safe_error
 
 TOKEN_ID_RANGE = (100, 1000)  # ids below 1000 exist in every tokenizer we serve
@@ -94,7 +94,7 @@ def plan_steps(cfg: Config) -> tuple[list[WarmupStep], list[str]]:
     return steps, skipped
 
 
-def run(cfg: Config, probe: VllmProbe, on_progress: Callable[[str], None] | None = None,
+def run(cfg: Config, probe: ProbeLike, on_progress: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic, seed: int | None = None) -> WarmupResult:
     steps, skipped = plan_steps(cfg)
     if cfg.vllm.max_model_len == AUTO:

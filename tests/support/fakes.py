@@ -7,6 +7,8 @@ import signal
 from concurrent.futures import Future
 from typing import Any
 
+from qwen4090.contracts import Launch, NoGpu
+from qwen4090.preflight import PreflightResult
 from qwen4090.probes.http import (
     GENERATION_TOKENS,
     RUNNING,
@@ -62,6 +64,7 @@ class FakeChild:
         self.oom: str | None = None  # the kernel's OOM evidence
         self.closed = True  # the output pipes reached EOF
         self.term_stops_engine_only = False  # API server waits for its connections on TERM
+        self.kv: tuple[int | None, int | None] = (None, None)  # what vLLM said of its KV cache
 
     def poll(self) -> int | None:
         return self.rc
@@ -80,6 +83,9 @@ class FakeChild:
 
     def oom_evidence(self) -> str | None:
         return self.oom
+
+    def kv_cache(self) -> tuple[int | None, int | None]:
+        return self.kv
 
     def signal_group(self, sig: int) -> bool:
         self.signals.append(sig)
@@ -163,6 +169,17 @@ class Notifier:
     def reloading(self) -> bool:
         self.sent.append("RELOADING=1")
         return True
+
+
+class CheckedGpu(NoGpu):
+    """The do-nothing GPU part with a preflight of the test's choosing."""
+
+    def __init__(self, preflight: Any = None) -> None:
+        self.check = preflight or (lambda launch: PreflightResult())
+
+    def preflight(self, chosen: Launch) -> PreflightResult:
+        result: PreflightResult = self.check(chosen)
+        return result
 
 
 class Inline:

@@ -323,3 +323,29 @@ def test_own_children_are_forgotten_once_their_status_is_collected() -> None:
 
 def test_reap_adopted_with_no_proc_is_nothing(tmp_path: Path) -> None:
     assert child.reap_adopted(set(), proc_root=str(tmp_path / "none")) == []
+
+
+def test_the_child_tells_its_engines_death_line_with_itself_and_its_kv_cache() -> None:
+    """VllmChild reports the death line as its own (the supervisor ignores an old child's late
+    line) after the line reached the log sink, and keeps what vLLM said of its KV cache."""
+    script = textwrap.dedent("""
+        print("INFO 12-01 08:49:35 [kv_cache_utils.py:1] GPU KV cache size: 34,672 tokens",
+              flush=True)
+        print("INFO 12-01 08:49:35 [gpu_worker.py:1] Available KV cache memory: 5.29 GiB",
+              flush=True)
+        print("[shutdown] MPClient: engine core exited unexpectedly", flush=True)
+    """)
+    seen: list[tuple[str, Any]] = []
+    child = VllmChild([sys.executable, "-c", script], dict(os.environ),
+                      lambda s, line: seen.append(("line", line)),
+                      on_engine_dead=lambda c, line: seen.append(("dead", (c, line))))
+    try:
+        assert wait_until(lambda: any(kind == "dead" for kind, _ in seen))
+        _, (who, line) = seen[-1]
+        assert who is child and "engine core exited unexpectedly" in line
+        assert seen[-2] == ("line", line)  # the log has it first
+        tokens, kv_bytes = child.kv_cache()
+        assert tokens == 34_672 and kv_bytes is not None
+        assert 5.28 * 1024**3 < kv_bytes < 5.3 * 1024**3
+    finally:
+        child.signal_group(signal.SIGKILL)

@@ -120,7 +120,7 @@ def test_warmup_request_that_raises_is_said_as_such_not_as_a_timeout() -> None:
 def test_listener_failure_is_logged_without_the_exception_repr() -> None:
     h = Harness()
 
-    def listener(event: str, fields: dict[str, object]) -> None:
+    def listener(event: object) -> None:
         raise ValueError(f"Invalid header value b'Bearer {KEY}'")
 
     h.sup.p.listeners.append(listener)

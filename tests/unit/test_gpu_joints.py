@@ -26,6 +26,7 @@ from tests.support.runtime import free_port
 
 from qwen4090 import cli, gpu
 from qwen4090.config import Config
+from qwen4090.contracts import Launch
 from qwen4090.policy import Cause
 from qwen4090.preflight import PreflightResult
 from qwen4090.probes import nvml
@@ -223,11 +224,10 @@ def oom_harness(tmp_path: Path, **gpu_keys: Any) -> tuple[Harness, list[Config]]
     parts = gpu.GpuParts(h.log, env={})
     launches: list[Config] = []
 
-    def spawn(cfg: Config) -> FakeChild:
-        launches.append(cfg)
-        return h.spawn(cfg)
+    def spawn(launch: Launch) -> FakeChild:
+        launches.append(launch.config)
+        return h.spawn(launch)
 
-    h.sup.p.preflight = parts.preflight
     h.sup.p.gpu = parts
     h.sup.p.spawn = spawn
     return h, launches
@@ -330,7 +330,7 @@ def test_daemon_and_plan_resolve_the_same_launch(
     assert parts.step_down(first, cfg, classify_exit(1, [CUDA_OOM, FINAL]), [CUDA_OOM, FINAL])
     second = parts.launch(cfg)
     assert second.kv_budget is None
-    assert parts.remember_kv(second, {"kv_bytes": 3 * 1024 ** 3, "kv_tokens": 20000})
+    assert parts.remember_kv(second, 20000, 3 * 1024 ** 3)
     daemon = parts.launch(cfg)
     assert parts.preflight(daemon).ok
     s = daemon.settings
@@ -353,11 +353,11 @@ def test_daemon_and_plan_resolve_the_same_launch(
     h = Harness(raw=tomllib.loads(conf.read_text()))
     launches: list[Config] = []
 
-    def spawn(c: Config) -> FakeChild:
-        launches.append(c)
-        return h.spawn(c)
+    def spawn(launch: Launch) -> FakeChild:
+        launches.append(launch.config)
+        return h.spawn(launch)
 
-    h.sup.p.preflight, h.sup.p.gpu, h.sup.p.spawn = parts.preflight, parts, spawn
+    h.sup.p.gpu, h.sup.p.spawn = parts, spawn
     h.run_until(State.STARTING)
     assert [render_argv(c.vllm) for c in launches] == [out["argv"]]
     assert h.sup.launch.fingerprint == out["fingerprint"]

@@ -14,12 +14,12 @@ from tests.support.fakes import QWEN3_14B, FakeChild, Log
 
 from qwen4090 import gpu, learned
 from qwen4090.config import Config, from_dict
+from qwen4090.contracts import NoGpu
 from qwen4090.launch import Launch, configured
 from qwen4090.policy import EX_GPU, Cause, ExitVerdict
 from qwen4090.preflight import PreflightResult
 from qwen4090.probes import nvml
 from qwen4090.states import State
-from qwen4090.supervisor import NoGpu
 
 GIB = 1024 ** 3
 CONTEXT = ("ValueError: To serve at least one request with the model's max seq len (40960), "
@@ -150,9 +150,9 @@ def test_oom_exit_steps_down_and_relaunches_with_the_new_setting() -> None:
 
     orig_spawn = h.spawn
 
-    def spawn(cfg: Config) -> FakeChild:
-        launches.append(cfg)
-        return orig_spawn(cfg)
+    def spawn(launch: Launch) -> FakeChild:
+        launches.append(launch.config)
+        return orig_spawn(launch)
 
     h.sup.p.gpu = fake
     h.sup.p.spawn = spawn

@@ -13,8 +13,10 @@ from tests.support.fakes import Clock, Log
 
 from qwen4090 import cli, httpapi
 from qwen4090.config import Config, from_dict
+from qwen4090.events import Event, GpuSampled, HangSeen, Restarted, Transition
 from qwen4090.httpapi import StatusApi, Telemetry, metric_families, render_html, status_document
 from qwen4090.probes.http import MetricsResult
+from qwen4090.states import State
 
 
 class FakeSup:
@@ -26,6 +28,7 @@ class FakeSup:
             "vllm:generation_tokens_total": 1234.0, "vllm:other": 9.0})
         self.state = "ready"
         self.history: list[dict[str, Any]] = []
+        self.p = Parts()
 
     def snapshot(self) -> dict[str, Any]:
         return {"state": self.state, "state_reason": "warmed up", "state_seconds": 12.5,
@@ -39,22 +42,21 @@ class FakeSup:
                      "seconds": 0.3}]}}
 
 
-def doc_with(events: list[tuple[str, dict[str, Any]]], sup: FakeSup | None = None
-             ) -> dict[str, Any]:
+def doc_with(events: list[Event], sup: FakeSup | None = None) -> dict[str, Any]:
     clock = Clock()
     tel = Telemetry(clock=clock, wall=lambda: 1.7e9)
-    for ev, fields in events:
-        tel(ev, fields)
+    for ev in events:
+        tel(ev)
         clock.t += 10
     return status_document(sup or FakeSup(), tel)
 
 
 def test_telemetry_counts_restarts_hangs_and_times_a_start() -> None:
-    doc = doc_with([("transition", {"from": "preflight", "to": "starting", "reason": ""}),
-                    ("transition", {"from": "warming", "to": "ready", "reason": ""}),
-                    ("restart", {"cause": "hang", "counted": True}),
-                    ("hang", {"stalled": 12.0}),
-                    ("gpu_sample", {"index": 0, "memory_used_bytes": 5e9, "name": "RTX 4090"})])
+    doc = doc_with([Transition(State.PREFLIGHT, State.STARTING, ""),
+                    Transition(State.WARMING, State.READY, ""),
+                    Restarted("hang", True),
+                    HangSeen(12.0),
+                    GpuSampled({"index": 0, "memory_used_bytes": 5e9, "name": "RTX 4090"})])
     assert doc["restarts_by_cause"]["hang"] == 1
     assert doc["restarts_by_cause"]["crash"] == 0
     assert doc["hangs"] == 1
@@ -91,11 +93,11 @@ def parse(text: str) -> dict[str, list[Any]]:
 def test_metrics_parse_with_prometheus_clients_parser() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    doc = doc_with([("transition", {"from": "preflight", "to": "starting", "reason": ""}),
-                    ("transition", {"from": "warming", "to": "ready", "reason": ""}),
-                    ("restart", {"cause": "signal", "counted": True}),
-                    ("gpu_sample", {"gpus": [{"index": 0, "memory_used_bytes": 1.0,
-                                              "temperature_c": 60, "throttled": False}]})])
+    doc = doc_with([Transition(State.PREFLIGHT, State.STARTING, ""),
+                    Transition(State.WARMING, State.READY, ""),
+                    Restarted("signal", True),
+                    GpuSampled({"gpus": [{"index": 0, "memory_used_bytes": 1.0,
+                                          "temperature_c": 60, "throttled": False}]})])
     reg = CollectorRegistry()
     reg.register(httpapi.Collector(lambda: doc))
     fams = parse(generate_latest(reg).decode())
@@ -134,7 +136,7 @@ def test_html_page_shows_state_tables_and_escapes() -> None:
     sup = FakeSup()
     sup.history = [{"wall_time": 1.7e9, "cause": "hang", "detail": "<script>x</script>",
                     "counted": True}]
-    page = render_html(doc_with([("gpu_sample", {"index": 0, "util_percent": 97})], sup))
+    page = render_html(doc_with([GpuSampled({"index": 0, "util_percent": 97})], sup))
     assert 'id=state data-state="ready"' in page
     assert "&lt;script&gt;" in page and "<script>" not in page
     assert "util_percent" in page and "97" in page
@@ -214,18 +216,16 @@ def test_start_binds_from_config_and_a_busy_port_is_not_fatal() -> None:
         s.listen()
         busy = s.getsockname()[1]
         sup = FakeSup(from_dict({"status": {"port": busy}}))
-        sup.p = Parts()  # type: ignore[attr-defined]
         log = Log()
         a = cli.start_status(sup, log)
         assert a.server is None
         assert log.names()[-1] == "status_endpoint_failed"
-        assert len(sup.p.listeners) == 1  # type: ignore[attr-defined]
+        assert len(sup.p.listeners) == 1
         a.beat()
 
 
 def test_start_disabled() -> None:
     sup = FakeSup(from_dict({"status": {"enabled": False}}))
-    sup.p = Parts()  # type: ignore[attr-defined]
     log = Log()
     assert cli.start_status(sup, log).server is None
     assert log.names()[-1] == "status_endpoint_off"

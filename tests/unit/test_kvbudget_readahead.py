@@ -185,18 +185,18 @@ def test_units_put_vllms_caches_in_their_cache_directory_which_survives_upgrades
 
 
 def test_the_daemons_gpu_part_records_and_forgets_by_the_launch(tmp_path: Path) -> None:
-    """cli.py's timeline hooks: remember at READY, forget after a failed start given it."""
+    """The GPU part's store: remember at READY, forget after a failed start given it."""
     from qwen4090.gpu import GpuParts
 
     c = from_dict({"vllm": {"model": "/m"}, "restart": {"fixed_kv_budget": True},
                    "gpu": {"enabled": "off", "state_directory": str(tmp_path)}})
     parts = GpuParts(Log(), env={})
     first = parts.launch(c)
-    assert first.kv_budget is None and parts.remember_kv(first, ready())
+    assert first.kv_budget is None and parts.remember_kv(first, 30160, 4 * GIB)
     assert not parts.forget_kv(first)  # it profiled: nothing to blame on the budget
     second = parts.launch(c)
     assert second.kv_budget == 4 * GIB and FLAG in second.argv
-    assert not parts.remember_kv(second, ready(3 * GIB))  # given the budget: not re-recorded
+    assert not parts.remember_kv(second, 30160, 3 * GIB)  # given the budget: not re-recorded
     assert parts.forget_kv(second) and not (tmp_path / "kv_budget.json").exists()
     assert parts.launch(c).kv_budget is None
 
@@ -215,5 +215,5 @@ def test_the_gpu_part_gives_the_record_the_plans_bytes_per_token(tmp_path: Path)
     parts = GpuParts(Log(), env={})
     planned = dataclasses.replace(parts.launch(c), plan=cast(
         Plan, SimpleNamespace(kv_bytes_per_token=163_840)))
-    assert parts.remember_kv(planned, {"kv_bytes": int(5.29 * GIB), "kv_tokens": 34_672})
+    assert parts.remember_kv(planned, 34_672, int(5.29 * GIB))
     assert parts.launch(c).kv_budget == 34_672 * 163_840

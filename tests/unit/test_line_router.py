@@ -70,19 +70,3 @@ def test_an_unprefixed_stderr_traceback_is_an_error_without_proc() -> None:
         ("log", "error", "Traceback (most recent call last):", {})]
 
 
-def test_the_engines_death_line_goes_to_engine_dead_after_the_log() -> None:
-    seen: list[tuple[Any, ...]] = []
-    r = LineRouter(Log(seen), lambda: "info",
-                   clues=[lambda stream, line: seen.append(("clue", line))],
-                   engine_dead=lambda line: seen.append(("engine_dead", line)))
-    dead = "[shutdown] MPClient: engine core exited unexpectedly; starting cleanup"
-    r("stdout", INFO)
-    r("stderr", dead)
-    assert [s[0] for s in seen] == ["clue", "log", "clue", "log", "engine_dead"]
-    assert seen[-1] == ("engine_dead", dead)
-
-
-def test_without_engine_dead_a_death_line_is_only_logged() -> None:
-    r, seen, _ = router()
-    r("stdout", "[shutdown] MPClient: engine core exited unexpectedly")
-    assert [s[0] for s in seen] == ["clue", "log"]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from tests.support.fakes import FakeChild, FakeProbe, Inline, Log, Notifier
+from tests.support.fakes import CheckedGpu, FakeChild, FakeProbe, Inline, Log, Notifier
 
 from qwen4090.config import Config, from_dict
+from qwen4090.contracts import Parts
 from qwen4090.instance import PortOwner
 from qwen4090.launch import Launch
 from qwen4090.policy import Cause, classify_exit
@@ -15,8 +16,9 @@ from qwen4090.preflight import PreflightResult
 from qwen4090.probes.http import (
     HealthResult,
 )
+from qwen4090.run import _health_job
 from qwen4090.states import State
-from qwen4090.supervisor import Parts, Supervisor, _health_job
+from qwen4090.supervisor import Supervisor
 from qwen4090.warmup import WarmupResult, WarmupRow
 
 STRANGER = "pid 4242 (python3 -m http.server 8000)"
@@ -53,7 +55,7 @@ class Harness:
         self.log = Log()
         self.warmups = 0
         self.sup = Supervisor(self.cfg, Parts(
-            spawn=self.spawn, make_probe=lambda c: FakeProbe(), preflight=self.preflight,
+            spawn=self.spawn, make_probe=lambda c: FakeProbe(), gpu=CheckedGpu(self.preflight),
             warmup=self.warm, load_config=lambda: self.cfg, notifier=self.notifier,
             executor=Inline(), log=self.log, clock=lambda: self.t, wall=lambda: 0.0,
             rand=random.Random(0), ports=self.ports))
@@ -64,7 +66,7 @@ class Harness:
                                    port_holder=self.ports.held_by)
         return PreflightResult()
 
-    def spawn(self, cfg: Config) -> FakeChild:
+    def spawn(self, launch: Launch) -> FakeChild:
         child = FakeChild()
         child.lines = 1  # vLLM has spoken: loading
         self.children.append(child)

@@ -73,7 +73,7 @@ def test_cli_on_line_drops_probe_access_lines(monkeypatch: pytest.MonkeyPatch,
 
     captured: dict[str, object] = {}
 
-    def fake_spawn(cfg: object, on_line: object, **_kw: object) -> None:
+    def fake_spawn(argv: object, cfg: object, on_line: object, **_kw: object) -> None:
         captured["on_line"] = on_line
         raise SystemExit(0)
 
@@ -97,6 +97,9 @@ def _on_line_of_run(cli: object, captured: dict[str, object]) -> Any:
     import tempfile
 
     from qwen4090 import supervisor
+    from qwen4090.config import Config
+    from qwen4090.contracts import Parts
+    from qwen4090.launch import configured
 
     with tempfile.TemporaryDirectory() as d:
         cfg = f"{d}/q.toml"
@@ -104,8 +107,8 @@ def _on_line_of_run(cli: object, captured: dict[str, object]) -> Any:
             f.write("[status]\nenabled = false\n[warmup]\nenabled = false\n")
         orig = supervisor.Supervisor.__init__
 
-        def init(self: object, c: object, parts: supervisor.Parts) -> None:
-            parts.spawn(c)  # type: ignore[arg-type]
+        def init(self: object, c: Config, parts: Parts, **kw: object) -> None:
+            parts.spawn(configured(c))
 
         supervisor.Supervisor.__init__ = init  # type: ignore[assignment]
         try:

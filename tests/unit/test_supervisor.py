@@ -8,17 +8,19 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
-from tests.support.fakes import Clock, FakeChild, FakeProbe, Inline, Log, Notifier
+from tests.support.fakes import CheckedGpu, Clock, FakeChild, FakeProbe, Inline, Log, Notifier
 
 from qwen4090.config import Config, ConfigError, from_dict
+from qwen4090.contracts import Launch, Parts
 from qwen4090.policy import Cause, ExitVerdict
 from qwen4090.preflight import PreflightResult
 from qwen4090.probes.http import (
     HealthResult,
     MetricsResult,
 )
+from qwen4090.run import Run
 from qwen4090.states import State
-from qwen4090.supervisor import Parts, Supervisor
+from qwen4090.supervisor import Supervisor
 from qwen4090.warmup import WarmupResult, WarmupRow
 
 
@@ -56,7 +58,7 @@ class Harness:
         self.executor = Inline()
         self.sup = Supervisor(self.cfg, Parts(
             spawn=self.spawn, make_probe=lambda c: self.probe,
-            preflight=preflight or (lambda c: PreflightResult()), warmup=warmup,
+            gpu=CheckedGpu(preflight), warmup=warmup,
             load_config=self.load, notifier=self.notifier, executor=self.executor, log=self.log,
             clock=self.clock, wall=lambda: 0.0, rand=random.Random(0)))
 
@@ -66,7 +68,7 @@ class Harness:
         assert self.sup.failure is not None
         return self.sup.failure
 
-    def spawn(self, cfg: Config) -> FakeChild:
+    def spawn(self, launch: Launch) -> FakeChild:
         c = FakeChild()
         self.children.append(c)
         return c
@@ -79,6 +81,12 @@ class Harness:
     @property
     def child(self) -> FakeChild:
         return self.children[-1]
+
+    @property
+    def run(self) -> Run:
+        """The current vLLM run (there must be one)."""
+        assert self.sup.run is not None
+        return self.sup.run
 
     def step(self, dt: float = 0.0, n: int = 1) -> State:
         for _ in range(n):
@@ -262,7 +270,7 @@ def test_hang_is_seen_at_hang_timeout_after_the_last_progress_not_a_poll_later()
     # the poll at 12 s used to find the hang (2 s late); one is sent at the deadline instead.
     h = slow_polls(unhealthy_timeout=8.0)
     moved_at = stall_after_progress(h)
-    assert h.sup.hang.deadline() == moved_at + 10.0
+    assert h.run.serving.hang.deadline() == moved_at + 10.0
     h.run_until(State.RESTARTING, dt=0.25)
     assert h.failure.cause is Cause.HANG
     # sent at the deadline, its answer harvested a step (0.25 s) later; the old way: 12.25 s
@@ -297,7 +305,7 @@ def test_the_loop_sleeps_until_the_next_deadline_not_a_fixed_tick() -> None:
     assert h.sup.next_wakeup(h.clock.t) == 0.0  # just became READY: its first step at once
     h.step(0.0)
     h.step(0.1)
-    due = h.sup.next_poll_at()
+    due = h.run.serving.next_poll_at(h.sup.cfg.watch.poll_interval)
     h.clock.t = due - 0.1
     assert h.sup.next_wakeup(h.clock.t) == pytest.approx(0.1)  # the poll, not a 0.5 s tick
     h.child.closed = False  # the group is gone, its last lines still in the pipes
@@ -486,7 +494,7 @@ def test_drain_count_and_gauges_never_overlap() -> None:
     h.sup.deliver(signal.SIGTERM)
     h.step(0.1, n=6)
     assert len(held) == 1  # in flight: no count is started beside it
-    assert set(h.sup.tasks) == {"drain_gauges"}
+    assert set(h.run.tasks) == {"drain_gauges"}
 
 
 def test_api_server_waiting_for_connections_after_its_engine_is_gone_is_killed() -> None:
@@ -572,7 +580,7 @@ def test_sighup_supervisor_setting_applies_live() -> None:
     h.sup.deliver(signal.SIGHUP)
     h.step(0.1)
     assert h.sup.state == State.READY and h.child is child and h.sup.cfg.watch.hang_timeout == 3
-    assert h.sup.hang.hang_timeout == 3
+    assert h.run.serving.hang.hang_timeout == 3
 
 
 def test_sighup_vllm_change_is_a_controlled_restart_not_a_failure() -> None:
@@ -596,10 +604,15 @@ def test_warmup_failure_is_a_failed_start() -> None:
 def test_stale_probe_results_are_dropped() -> None:
     h = Harness()
     h.run_until(State.READY)
+    old = h.run
     f: Future[Any] = Future()
-    h.sup.submit(h.clock.t, "poll", lambda: None)
-    h.sup.tasks["poll"].future = f
-    h.sup.tasks["poll"].generation -= 1  # a result about an older process
+    f.set_running_or_notify_cancel()  # a job already running: cancelling it does nothing
+    old.submit(h.clock.t, "poll", lambda: None)
+    old.tasks["poll"].future = f
+    h.child.exit(1)  # the next vLLM process: a result about the older one must not count
+    h.run_until(State.RESTARTING)
+    h.run_until(State.READY)
+    assert h.run is not old
     f.set_result((HealthResult(False, None, 0, "x"), MetricsResult(False)))
     h.step(0.1)
     assert h.sup.state == State.READY
@@ -677,7 +690,8 @@ def test_failed_health_answer_is_dated_from_the_probe_start() -> None:
     h.step(1.0)
     first = h.clock.t
     h.step(1.0)  # harvested one step after it was sent
-    assert h.sup.unhealthy_since is not None and h.sup.unhealthy_since <= first
+    since = h.run.serving.unhealthy_since
+    assert since is not None and since <= first
 
 
 def test_dead_child_seen_in_one_step_without_waiting_on_its_pipes() -> None:
@@ -755,7 +769,7 @@ def test_first_restart_after_a_stable_run_is_immediate_and_the_next_back_off() -
     h.step(1.0, n=10)
     # the canary that fails is harvested in the same step that crosses stable_after
     h.probe.canary_ok, h.probe.canary_error = False, True
-    h.sup.last_canary = h.clock.t - 100.0
+    h.run.serving.last_canary = h.clock.t - 100.0
     h.step(0.1)
     h.step(40.0)
     assert h.sup.state == State.RESTARTING
@@ -808,13 +822,14 @@ def test_metrics_timeout_after_a_good_health_is_not_a_recovery() -> None:
     h.run_until(State.READY)
     h.probe.healthy = False
     h.step(1.0, n=2)
-    assert h.sup.unhealthy_since is not None
-    since = h.sup.unhealthy_since
+    run = h.run
+    assert run.serving.unhealthy_since is not None
+    since = run.serving.unhealthy_since
     h.probe.healthy = True
     h.probe.metrics = lambda timeout: MetricsResult(  # type: ignore[method-assign]
         False, {}, timeout, f"no answer within {timeout:g}s", timed_out=True)
     h.step(1.0, n=2)
-    assert h.sup.unhealthy_since == since and "health_recovered" not in h.log.names()
+    assert run.serving.unhealthy_since == since and "health_recovered" not in h.log.names()
 
 
 def test_stale_good_health_with_overdue_metrics_is_no_recovery_and_the_window_runs_on() -> None:

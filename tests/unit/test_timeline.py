@@ -14,6 +14,8 @@ from tests.support.fakes import Clock, Log
 
 from qwen4090 import cli
 from qwen4090.config import from_dict
+from qwen4090.events import ChildExitSeen, HangSeen, Restarted, Transition
+from qwen4090.states import State
 from qwen4090.timeline import MARKS, StartupTimeline, TimelineWatch
 from qwen4090.vllmfacts import match_line
 
@@ -116,7 +118,7 @@ def test_a_later_loading_line_moves_the_mark_but_kv_keeps_the_first() -> None:
 
 
 def tr(w: TimelineWatch, src: str, dst: str, reason: str = "") -> None:
-    w("transition", {"from": src, "to": dst, "reason": reason})
+    w(Transition(State(src), State(dst), reason))
 
 
 def start(w: TimelineWatch, clock: Clock, name: str = "cpu032_eager",
@@ -153,8 +155,6 @@ def test_a_start_logs_one_startup_timeline_and_fills_the_histogram() -> None:
     w = TimelineWatch(log, clock=clock, wall=lambda: 1.7e9)
     reg = CollectorRegistry()
     w.register(reg)
-    seen: list[dict[str, Any]] = []
-    w.on_ready.append(seen.append)
     start(w, clock)
     (ev,) = log.named("startup_timeline")
     assert ev["outcome"] == "ready"
@@ -163,10 +163,9 @@ def test_a_start_logs_one_startup_timeline_and_fills_the_histogram() -> None:
     assert ev["took"]["ready"] == 2.0  # health -> READY: the warmup
     assert ev["kv_tokens"] == 1_048_576
     assert ev["summary"].startswith("spawn=0 first_output=6.702")
-    assert [{**r, "summary": ev["summary"]} for r in seen] == [ev]
     counts = histogram(reg, "qwen4090_startup_phase_seconds")
     assert counts["engine_up"] == 1 and counts["total"] == 1 and counts["ready"] == 1
-    assert w.status()["startup_timeline"] == seen[0]
+    assert {**w.status()["startup_timeline"], "summary": ev["summary"]} == ev
     assert not log.named("recovery_timeline")  # a first start is not a recovery
 
 
@@ -199,7 +198,7 @@ def test_a_crash_logs_a_recovery_timeline_from_vllms_first_error_line() -> None:
     clock.t += 0.3
     tr(w, "ready", "restarting", "exit_0: vLLM exited with code 0")
     clock.t += 1.2
-    w("restart", {"cause": "exit_0", "counted": True})
+    w(Restarted("exit_0", True))
     clock.t += 0.5
     tr(w, "restarting", "preflight", "restart 1")
     start(w, clock)
@@ -222,9 +221,9 @@ def test_a_hang_starts_at_the_last_token_progress_and_retries_count_as_one_recov
     w = TimelineWatch(log, clock=clock)
     start(w, clock)
     clock.t += 100
-    w("hang", {"stalled": 15.0})
+    w(HangSeen(15.0))
     tr(w, "ready", "restarting", "hang: no progress")
-    w("restart", {"cause": "hang"})
+    w(Restarted("hang", True))
     tr(w, "restarting", "preflight")
     tr(w, "preflight", "starting")
     clock.t += 5
@@ -243,7 +242,7 @@ def test_an_exit_seen_by_the_loop_is_the_fault_when_vllm_said_nothing() -> None:
     w = TimelineWatch(log, clock=clock)
     start(w, clock)
     clock.t += 10
-    w("child_exit_seen", {"code": -9})
+    w(ChildExitSeen(-9))
     clock.t += 4.0  # reap() waits for vLLM's output before it fails the child
     tr(w, "ready", "restarting", "signal: SIGKILL")
     start(w, clock, src="restarting")

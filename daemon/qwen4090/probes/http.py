@@ -12,6 +12,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from qwen4090.redact import safe_error
 from qwen4090.vllmfacts import GENERATION_TOKENS as GENERATION_TOKENS  # re-exported for tests
@@ -49,6 +50,16 @@ class CompletionResult:
     error: str = ""
     finish_reason: str | None = None
     timed_out: bool = False  # no answer in time (as opposed to an error answer)
+
+
+class ProbeLike(Protocol):
+    """vLLM's HTTP API as the supervisor and the warmup use it (:class:`VllmProbe`; the tests'
+    fakes): every call returns a result, never raises."""
+
+    def health(self, timeout: float) -> HealthResult: ...
+    def metrics(self, timeout: float) -> MetricsResult: ...
+    def complete(self, prompt: Sequence[int] | str, max_tokens: int, timeout: float
+                 ) -> CompletionResult: ...
 
 
 class VllmProbe:

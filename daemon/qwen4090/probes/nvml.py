@@ -270,8 +270,10 @@ def driver_ready() -> str | None:
 
 def wait_for_driver(timeout: float, clock: Callable[[], float] = time.monotonic,
                     sleep: Callable[[float], None] = time.sleep,
-                    on_wait: Callable[[str, float], None] | None = None) -> str | None:
-    """Wait (bounded) for the driver at boot; None when ready, else the last reason."""
+                    on_wait: Callable[[str, float], None] | None = None,
+                    stopping: Callable[[], bool] = lambda: False) -> str | None:
+    """Wait (bounded) for the driver at boot; None when ready, else the last reason (at once
+    when ``stopping`` says a stop was asked for meanwhile)."""
     deadline = clock() + timeout
     last_said = -1e18
     while True:
@@ -279,7 +281,7 @@ def wait_for_driver(timeout: float, clock: Callable[[], float] = time.monotonic,
         if why is None:
             return None
         now = clock()
-        if now >= deadline:
+        if now >= deadline or stopping():
             return why
         if on_wait is not None and now - last_said >= 10:
             on_wait(why, deadline - now)

@@ -1,0 +1,153 @@
+"""The contracts between the supervisor and the parts it drives: one module for them all.
+
+The supervisor imports no subprocess, socket, HTTP or NVML code: everything that touches the
+machine comes in through :class:`Parts`, whose fields are typed by the Protocols here.  The
+real parts are built by cli.py (the composition root); the unit tests hand in fakes
+(tests/support/fakes.py).  The result types the parts return live with their owners (probes,
+preflight, warmup, launch, instance) and are re-exported here, so a reader finds every joint
+of the supervisor in this one file.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from qwen4090.config import Config
+from qwen4090.events import Listener
+from qwen4090.instance import PortOwner, UncheckedPorts
+from qwen4090.launch import Launch, configured
+from qwen4090.policy import ExitVerdict
+from qwen4090.preflight import PreflightResult
+from qwen4090.probes.http import CompletionResult, HealthResult, MetricsResult, ProbeLike
+from qwen4090.warmup import WarmupResult
+
+__all__ = ["ChildLike", "CompletionResult", "ExecutorLike", "GpuLike", "HealthResult",
+           "Launch", "LogLike", "MetricsResult", "NoGpu", "NotifierLike", "Parts", "PortOwner",
+           "PortsLike", "PreflightResult", "ProbeLike", "WarmupResult"]
+
+
+class LogLike(Protocol):
+    """A structlog-style logger: ``log.info(event, **fields)``, ``.warning``, ``.error``..."""
+
+    def debug(self, event: str, **fields: Any) -> Any: ...
+    def info(self, event: str, **fields: Any) -> Any: ...
+    def warning(self, event: str, **fields: Any) -> Any: ...
+    def error(self, event: str, **fields: Any) -> Any: ...
+    def critical(self, event: str, **fields: Any) -> Any: ...
+
+
+class ChildLike(Protocol):
+    """One vLLM process group (child.VllmChild)."""
+
+    pid: int
+    lines: int
+    last_output: float
+
+    def poll(self) -> int | None: ...
+    def tail_lines(self) -> list[str]: ...
+    def output_closed(self) -> bool: ...
+    def signal_group(self, sig: int) -> bool: ...
+    def group_alive(self) -> bool: ...
+    def group_members(self) -> list[int]: ...
+    def engine_pids(self) -> list[int]: ...
+    def client_connections(self, port: int) -> int | None: ...
+    def oom_evidence(self) -> str | None: ...
+    # What vLLM said of its KV cache: (tokens, bytes), each None until it said so.
+    def kv_cache(self) -> tuple[int | None, int | None]: ...
+
+
+class NotifierLike(Protocol):
+    """sd_notify (notify.Notifier): each call says whether systemd took the message."""
+
+    watchdog_interval: float | None
+
+    def ready(self, status: str) -> bool: ...
+    def status(self, status: str) -> bool: ...
+    def watchdog(self) -> bool: ...
+    def extend_timeout(self, seconds: float) -> bool: ...
+    def stopping(self, status: str) -> bool: ...
+    def reloading(self) -> bool: ...
+
+
+class PortsLike(Protocol):
+    """vLLM's port (instance.py): who holds it, and whether our child's group listens on it."""
+
+    def holder(self, host: str, port: int) -> str | None: ...
+    def owner(self, child: ChildLike, host: str, port: int) -> PortOwner: ...
+
+
+class ExecutorLike(Protocol):
+    def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future[Any]: ...
+
+
+class GpuLike(Protocol):
+    """The one door to the GPU (gpu.GpuParts; :class:`NoGpu` where there is none).
+
+    Before a launch: what it is launched with (launch.py) and every check before it; between a
+    stop and the relaunch: who still holds GPU memory; and the store of what a start teaches —
+    the KV bytes of a start that reached READY, forgotten when a start given them fails, and
+    one rung down the OOM ladder after an OOM.  The supervisor calls these; nothing else does.
+    """
+
+    def launch(self, cfg: Config) -> Launch: ...
+    def preflight(self, chosen: Launch) -> PreflightResult: ...
+    # Which of these pids still hold memory on the GPU with this NVML index (None: none).
+    def held(self, device: int, pids: list[int]) -> str | None: ...
+    # READY: vLLM sized its KV cache at (tokens, bytes); True when kept for the next launch.
+    def remember_kv(self, launched: Launch, tokens: int | None, kv_bytes: int | None) -> bool: ...
+    # A start given the remembered KV budget failed: True when it was forgotten.
+    def forget_kv(self, launched: Launch) -> bool: ...
+    # After an OOM exit: (what was launched, the current config: the ladder's settings, the
+    # verdict, vLLM's last lines) -> what was lowered, or None when nothing could be.
+    def step_down(self, launched: Launch, cfg: Config, verdict: ExitVerdict, tail: list[str]
+                  ) -> list[str] | None: ...
+
+
+class NoGpu:
+    """The do-nothing GPU part: the launch as configured, no checks, no ladder, nothing
+    remembered, nothing ever held (the state machine's tests; cli.py always builds GpuParts,
+    which also runs the checks that need no GPU)."""
+
+    def launch(self, cfg: Config) -> Launch:
+        return configured(cfg)
+
+    def preflight(self, chosen: Launch) -> PreflightResult:
+        return PreflightResult()
+
+    def held(self, device: int, pids: list[int]) -> str | None:
+        return None
+
+    def remember_kv(self, launched: Launch, tokens: int | None, kv_bytes: int | None) -> bool:
+        return False
+
+    def forget_kv(self, launched: Launch) -> bool:
+        return False
+
+    def step_down(self, launched: Launch, cfg: Config, verdict: ExitVerdict, tail: list[str]
+                  ) -> list[str] | None:
+        return None
+
+
+@dataclass
+class Parts:
+    """Everything the supervisor drives, built by cli.py (or a test)."""
+
+    spawn: Callable[[Launch], ChildLike]  # start vLLM with this resolved launch
+    make_probe: Callable[[Config], ProbeLike]
+    warmup: Callable[[Config, ProbeLike, Callable[[str], None]], WarmupResult]
+    load_config: Callable[[], Config]
+    notifier: NotifierLike
+    executor: ExecutorLike
+    log: LogLike
+    clock: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+    rand: random.Random = field(default_factory=random.Random)
+    # Told of transitions, restarts, warmups, hangs, samples and reloads (events.py).
+    listeners: list[Listener] = field(default_factory=list)
+    gpu: GpuLike = field(default_factory=NoGpu)
+    ports: PortsLike = field(default_factory=UncheckedPorts)

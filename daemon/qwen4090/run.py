@@ -1,0 +1,520 @@
+"""One vLLM run: one process group, from its spawn to the moment it is gone.
+
+A :class:`Run` is built fresh at each spawn, so nothing of one vLLM process can leak into the
+next (no hand-written resets): its child, probe and launch, the jobs in flight about it, what
+it said when it exited, and its judges (judges.py: the kill schedule, the drain, the serving
+schedule; policy.HangDetector).  supervisord makes the same split between its loop and one
+machine per process.
+
+The Run sends its own signals and starts its own probe jobs, and turns their results into
+verdicts; it never changes the daemon's state.  The supervisor asks it (``on_poll``,
+``check_canary``, ``reap_group``...) and acts on the verdicts: a :class:`Move` between READY and
+DEGRADED, or an ``ExitVerdict`` that fails the run.  Serving two engines under one supervisor
+would be a list of Runs, each with its own role (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from qwen4090 import vllmfacts
+from qwen4090.config import Config, WatchConfig
+from qwen4090.contracts import (
+    ChildLike,
+    CompletionResult,
+    HealthResult,
+    Launch,
+    LogLike,
+    MetricsResult,
+    PortOwner,
+    PortsLike,
+    ProbeLike,
+)
+from qwen4090.events import HangSeen
+from qwen4090.judges import Drain, KillSchedule, ServingSchedule
+from qwen4090.policy import (
+    Cause,
+    ExitVerdict,
+    HangDetector,
+    Progress,
+    canary_counts,
+    classify_exit,
+    engine_dead_verdict,
+)
+from qwen4090.redact import safe_error
+from qwen4090.states import State
+from qwen4090.vllmfacts import RUNNING, WAITING
+
+LOAD_POLL_INTERVAL = 1.0  # how often /health is asked while vLLM loads
+# How long the loop waits, without blocking, for vLLM's last output lines once the group is
+# gone (all writers of the pipes are dead, so the readers end within milliseconds).
+OUTPUT_WAIT = 2.0
+TOKEN_CANARY = 785  # any id < 1000 exists in every vocabulary we serve
+
+
+@dataclass(frozen=True)
+class Move:
+    """A verdict of the serving watch: READY <-> DEGRADED, with the reason."""
+
+    to: State
+    reason: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    """A verdict of the serving watch: fail the run (after telling ``event``, if any)."""
+
+    verdict: ExitVerdict
+    event: HangSeen | None = None
+
+
+Verdict = Move | Fail
+
+
+class _Verdicts:
+    """The verdicts of one look, in order, and the state they leave (a failure ends it)."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+        self.out: list[Verdict] = []
+
+    def move(self, to: State, reason: str) -> None:
+        if self.state is not to:
+            self.out.append(Move(to, reason))
+            self.state = to
+
+    def fail(self, verdict: ExitVerdict, event: HangSeen | None = None) -> None:
+        self.out.append(Fail(verdict, event))
+
+    @property
+    def failed(self) -> bool:
+        return any(isinstance(v, Fail) for v in self.out)
+
+
+@dataclass
+class Task:
+    """A job in flight on the executor about this run."""
+
+    kind: str
+    started: float
+    future: Future[Any]
+    job: Any = None  # the callable, when it reports partial progress (_PollJob)
+
+
+class Run:
+    def __init__(self, child: ChildLike, probe: ProbeLike, launch: Launch, now: float,
+                 watch: WatchConfig, log: LogLike, submit: Callable[[Callable[[], Any]],
+                                                                    Future[Any]],
+                 clock: Callable[[], float]) -> None:
+        """``submit`` runs a job off the loop (the supervisor's executor)."""
+        self.child = child
+        self.probe = probe
+        self.launch = launch
+        self.spawned_at = now
+        self.log = log
+        self._submit = submit
+        self.clock = clock
+        self.tasks: dict[str, Task] = {}
+        self.next_load_poll = now
+        self.warmup_progress = ""
+        self.last_warmup_step = now
+        self.serving = ServingSchedule(HangDetector(watch.hang_timeout, watch.poll_interval),
+                                       now, now)
+        self.last_metrics: MetricsResult | None = None
+        self.canary_base: float | None = None  # progress counter when the canary was judged
+        self.canary_judged_at = now  # start of the window in which a stuck canary is judged
+        self.canary_stuck_noted: float | None = None
+        self.kill: KillSchedule | None = None  # set by SIGTERM
+        self.drain: Drain | None = None  # set by a stop that drains
+        self.gone_at: float | None = None  # no process of the group is left
+        self.exit_rc: int | None = None  # its own exit (None: alive, or ended by us)
+        self.exit_oom: str | None = None  # the kernel's word on an OOM kill of that exit
+        self.stranger_said = False  # port_answered_by_stranger was logged
+
+    @property
+    def config(self) -> Config:
+        return self.launch.config
+
+    # --- jobs ------------------------------------------------------------------------------
+
+    def submit(self, now: float, kind: str, fn: Callable[[], Any]) -> None:
+        self.tasks[kind] = Task(kind, now, self._submit(fn), fn)
+
+    def finished(self) -> Iterator[tuple[Task, Any]]:
+        """The jobs that are done, each once, with its result (an exception is logged)."""
+        for kind in list(self.tasks):
+            task = self.tasks.get(kind)  # a failure handled by the caller may have cancelled
+            if task is None or not task.future.done():
+                continue
+            del self.tasks[kind]
+            try:
+                result = task.future.result()
+            except Exception as e:
+                self.log.error("probe_crashed", kind=kind, error=safe_error(e, where=True))
+                continue
+            yield task, result
+
+    def cancel_tasks(self) -> None:
+        for task in self.tasks.values():
+            task.future.cancel()
+        self.tasks.clear()
+
+    def deadlines(self, state: State, w: WatchConfig) -> list[float]:
+        """When each judge of this run wants the loop back (the loop sleeps until the first)."""
+        out: list[float] = []
+        if self.kill is not None:
+            out.append(self.kill.deadline())
+        if self.drain is not None:
+            out.append(self.drain.next_deadline())
+        if state in (State.STARTING, State.LOADING):
+            out.append(self.spawned_at + w.load_timeout)
+        if state is State.LOADING:
+            out.append(self.next_load_poll)
+        if state in (State.READY, State.DEGRADED) and "poll" not in self.tasks:
+            out.append(self.serving.next_deadline(w.poll_interval, w.canary_interval))
+        return out
+
+    # --- loading -----------------------------------------------------------------------------
+
+    def load_poll(self, now: float, timeout: float, ports: PortsLike) -> None:
+        """/health while loading, once per LOAD_POLL_INTERVAL."""
+        if now >= self.next_load_poll and "health" not in self.tasks:
+            self.submit(now, "health", _health_job(self.probe, timeout, self.owner_check(ports)))
+            self.next_load_poll = now + LOAD_POLL_INTERVAL
+
+    def begin_warmup(self, now: float, warmup: Callable[..., Any]) -> None:
+        self.last_warmup_step = now
+        self.warmup_progress = ""
+        cfg, probe = self.config, self.probe
+
+        def progress(msg: str) -> None:
+            # Runs on the warmup thread: plain assignments only.
+            self.warmup_progress = msg
+            self.last_warmup_step = self.clock()
+
+        self.submit(now, "warmup", lambda: warmup(cfg, probe, progress))
+
+    def became_ready(self, now: float) -> None:
+        self.serving.last_poll = now
+        self.serving.last_canary = now
+        self.serving.unhealthy_since = None
+
+    # --- vLLM's port: ours, or held by someone else (issue 8.2; instance.py) -----------------
+
+    def owner_check(self, ports: PortsLike) -> Callable[[], PortOwner]:
+        """Who listens on vLLM's port, for a probe job to find out on its own thread: under
+        load the walk of the group's sockets took seconds, and in the loop it blocked every
+        other step (seen: SIGTERM handled late)."""
+        child, v = self.child, self.config.vllm
+        return lambda: ports.owner(child, v.host, v.port)
+
+    def stranger_on_port(self, ports: PortsLike, owner: PortOwner | None = None) -> str | None:
+        """Who listens on vLLM's port when it is not our child's group (None: ours).
+
+        A 200 from anyone else (a stray server, another supervisor's vLLM) must never count
+        as our vLLM: no warmup and no READY=1 against it.  "Cannot tell" counts as ours, and
+        so does an exited vLLM: that is reap's, in this same step.
+        """
+        if self.child.poll() is not None:
+            return None
+        v = self.config.vllm
+        if owner is None:  # not looked up by the job: now
+            owner = ports.owner(self.child, v.host, v.port)
+        if owner.ours is not False:
+            return None
+        if not self.stranger_said:
+            self.stranger_said = True
+            self.log.warning("port_answered_by_stranger", port=f"{v.host}:{v.port}",
+                             holder=owner.holder, pid=self.child.pid,
+                             detail="not counted as our vLLM's /health")
+        return owner.holder
+
+    # --- serving: poll, canary, hang ---------------------------------------------------------
+
+    def watch(self, now: float, state: State, w: WatchConfig, ports: PortsLike
+              ) -> list[Verdict]:
+        """One serving step: send the poll and the canary when due, judge the ones in flight."""
+        out = _Verdicts(state)
+        if self.serving.poll_due(now, w.poll_interval) and "poll" not in self.tasks:
+            self.submit(now, "poll", _PollJob(self.probe, w.health_timeout, self.clock,
+                                              self.owner_check(ports)))
+            self.serving.last_poll = now
+        self.poll_in_flight(now, w, out)
+        if out.failed:
+            return out.out
+        if self.serving.canary_due(now, w.canary_interval) and "canary" not in self.tasks \
+                and not (self.last_metrics and _busy(self.last_metrics)):
+            self.canary_base = _progress_of(self.last_metrics) if self.last_metrics else None
+            self.canary_judged_at = now
+            self.submit(now, "canary", _canary_job(self.probe, w.canary_timeout,
+                                                   w.health_timeout))
+            self.serving.last_canary = now
+        self.canary_in_flight(now, w, out)
+        return out.out
+
+    def canary_in_flight(self, now: float, w: WatchConfig, out: _Verdicts) -> None:
+        """A canary with no answer is judged once per window: the tokens must have moved."""
+        canary = self.tasks.get("canary")
+        if canary is None or now - self.canary_judged_at <= w.canary_timeout + 5:
+            return
+        latest = _progress_of(self.last_metrics) if self.last_metrics else None
+        stuck = f"canary request stuck for {now - canary.started:.0f}s"
+        if canary_counts(False, True, self.canary_base, latest):
+            out.fail(ExitVerdict(Cause.CANARY, stuck, True))
+            return
+        if self.canary_stuck_noted != canary.started:
+            self.canary_stuck_noted = canary.started
+            self.log.warning("canary_slow", error=stuck, tokens_before=self.canary_base,
+                             tokens_after=latest, verdict="tokens moving: busy, not hung")
+        self.canary_base, self.canary_judged_at = latest, now
+
+    def poll_in_flight(self, now: float, w: WatchConfig, out: _Verdicts) -> None:
+        """A /health answer overdue is a failing probe, dated from when it was sent.
+
+        A stopped API server accepts the connection (the kernel does) and never answers; the
+        probe's own result arrives only after its timeouts, so waiting for it would push the
+        detection past unhealthy_timeout + one poll.
+        """
+        poll = self.tasks.get("poll")
+        if poll is None or not isinstance(poll.job, _PollJob):
+            return
+        health = poll.job.health
+        timeout = w.health_timeout
+        if health is None and (now - poll.started > timeout
+                               or self.serving.unhealthy_since is not None):
+            # already failing: the window keeps running while this probe has no answer either
+            self.health_failing(now, poll.started, f"no answer within {timeout:g}s", w, out)
+            return
+        if health is not None and not health.ok:
+            self.health_failing(now, poll.started, health.error, w, out)
+            return
+        sent = poll.job.metrics_sent
+        if health is not None and sent is not None and now - sent > timeout:
+            # /health answered, then the server stopped: /metrics is the newer probe
+            self.health_failing(now, sent, f"/metrics: no answer within {timeout:g}s", w, out)
+
+    def health_failing(self, now: float, since: float, error: str, w: WatchConfig,
+                       out: _Verdicts) -> None:
+        """A failing /health probe sent at ``since``: DEGRADED, and a failure once it has
+        failed for unhealthy_timeout."""
+        if self.serving.failing(since):
+            self.log.warning("health_failed", error=error)
+        if out.state is State.READY:
+            out.move(State.DEGRADED, f"/health: {error}")
+        failed_for = self.serving.failed_for(now)
+        if failed_for >= w.unhealthy_timeout:
+            out.fail(ExitVerdict(Cause.UNHEALTHY, f"/health failing for {failed_for:.0f}s: "
+                                                  f"{error}", True))
+
+    def on_poll(self, now: float, res: tuple[HealthResult, MetricsResult], started: float,
+                state: State, w: WatchConfig, stranger: str | None) -> list[Verdict]:
+        """A /health + /metrics answer (``stranger``: who answered on vLLM's port instead of
+        our vLLM, if anyone): the failing-health window, the hang detector, READY/DEGRADED."""
+        out = _Verdicts(state)
+        health, metrics = res
+        if health.ok and stranger is not None:
+            health = HealthResult(False, health.status, health.seconds,
+                                  f"port answered by {stranger}, not by our vLLM")
+        if health.ok and metrics.timed_out:
+            # the API server stopped answering between the two requests
+            self.health_failing(now, started + health.seconds, f"/metrics: {metrics.error}", w,
+                                out)
+        elif health.ok:
+            if (since := self.serving.recovered()) is not None:
+                self.log.info("health_recovered", after=round(now - since, 1))
+        else:
+            self.health_failing(now, started, health.error, w, out)
+        if out.failed:
+            return out.out
+        stalled = 0.0
+        if metrics.ok:
+            self.last_metrics = metrics
+            prog = Progress(metrics.get(RUNNING), metrics.get(WAITING), _progress_of(metrics))
+            hang = self.serving.hang.judge(now, prog)
+            stalled = hang.stalled
+            if hang.hung:
+                self.log.error("hang_detected", stalled_seconds=round(stalled, 1),
+                               running=prog.running, waiting=prog.waiting)
+                out.fail(ExitVerdict(Cause.HANG, f"{prog.running:g} running, "
+                                                 f"{prog.waiting:g} waiting, no token "
+                                                 f"progress for {stalled:.0f}s", True),
+                         HangSeen(stalled))
+                return out.out
+            if out.state is State.READY and hang.stalling:
+                out.move(State.DEGRADED, f"no token progress for {stalled:.0f}s")
+                return out.out
+        if out.state is State.DEGRADED and health.ok and not metrics.timed_out \
+                and stalled == 0:
+            out.move(State.READY, "healthy again")
+        return out.out
+
+    def on_canary(self, res: tuple[MetricsResult, CompletionResult, MetricsResult]
+                  ) -> ExitVerdict | None:
+        before, result, after = res
+        if result.ok:
+            self.log.debug("canary_ok", ms=round(result.seconds * 1000, 1))
+            return None
+        b = _progress_of(before) if before.ok else None
+        a = _progress_of(after) if after.ok else None
+        if not canary_counts(result.ok, result.timed_out, b, a):
+            self.log.warning("canary_slow", error=result.error, tokens_before=b, tokens_after=a,
+                             running=after.get(RUNNING), waiting=after.get(WAITING),
+                             verdict="tokens moving: busy, not hung")
+            return None
+        self.log.error("canary_failed", error=result.error, tokens_before=b, tokens_after=a)
+        return ExitVerdict(Cause.CANARY, f"canary: {result.error}", True)
+
+    # --- the exit --------------------------------------------------------------------------
+
+    def exited(self) -> int | None:
+        """vLLM's own exit code, once (None while it runs): noted with the kernel's word."""
+        rc = self.child.poll()
+        if rc is None:
+            return None
+        self.exit_rc = rc
+        self.exit_oom = self.child.oom_evidence() if rc == -signal.SIGKILL else None
+        return rc
+
+    def exit_verdict(self, tail: list[str] | None = None) -> ExitVerdict:
+        """The exit judged from vLLM's last lines (``tail``: the full tail, once in)."""
+        assert self.exit_rc is not None
+        return classify_exit(self.exit_rc, self.child.tail_lines() if tail is None else tail,
+                             oom_evidence=self.exit_oom)
+
+    def engine_died(self, line: str) -> ExitVerdict:
+        return engine_dead_verdict(self.child.tail_lines(), line)
+
+    # --- stopping the group ----------------------------------------------------------------
+
+    def drain_step(self, now: float, timeout: float) -> tuple[str, dict[str, Any]] | None:
+        """While draining: take the next look, or say the drain is over (its hurry and the
+        fields of its log line)."""
+        assert self.drain is not None
+        over, busy, expired = self.drain.over(now, self.child.poll() is not None)
+        if over:
+            sample = self.drain.sample
+            fields = {"busy": busy, "connections": sample.connections if sample else None,
+                      "running": sample.running if sample else None,
+                      "waiting": sample.waiting if sample else None}
+            self.drain = None
+            return ("the drain deadline passed" if busy and expired else ""), fields
+        kind = self.drain.next_look(now, "drain" in self.tasks or "drain_gauges" in self.tasks)
+        if kind == "drain":
+            self.submit(now, kind, _drain_job(self.child, self.config.vllm.port))
+        elif kind == "drain_gauges":
+            self.submit(now, kind, _drain_gauges_job(self.probe, timeout))
+        return None
+
+    def start_drain(self, now: float, timeout: float) -> None:
+        """SIGTERM while serving: the clients' requests may finish within ``timeout``."""
+        self.drain = Drain(deadline=now + timeout, next_poll=now)
+
+    def begin_kill(self, now: float, term_timeout: float, hurry: str | None = None) -> None:
+        """SIGTERM the group; SIGKILL after term_timeout, or after KILL_GRACE with a reason."""
+        self.kill = KillSchedule(now, term_timeout, hurry)
+        self.gone_at = None
+        if self.child.signal_group(signal.SIGTERM):
+            # A stopped process (SIGSTOP, a debugger) acts on TERM only once continued.
+            self.child.signal_group(signal.SIGCONT)
+            self.log.info("group_signalled", signal="SIGTERM", pgid=self.child.pid,
+                          hurry=hurry)
+
+    def kill_group(self, now: float, why: str) -> None:
+        assert self.kill is not None
+        self.log.warning("group_kill", reason=why, pgid=self.child.pid)
+        self.child.signal_group(signal.SIGKILL)
+        self.kill.killed(now)
+
+    def reap_group(self, now: float) -> bool:
+        """True once no process of the group is left (TERM, then KILL)."""
+        assert self.kill is not None
+        if self.gone_at is not None:
+            return True
+        rc = self.child.poll()
+        if rc is not None and not self.child.group_alive():
+            self.gone_at = now
+            self.log.info("group_gone", pid=self.child.pid, code=rc,
+                          seconds_after_term=round(now - self.kill.term_sent, 2))
+            return True
+        if self.kill.killed_at is None:
+            why = self.kill.reason(now, lambda: bool(self.child.engine_pids()))
+            if why is not None:
+                self.kill_group(now, why)
+        if self.kill.survived(now):
+            self.log.error("group_survives_kill", pids=self.child.group_members())
+            self.gone_at = now
+            return True
+        return False
+
+    def last_lines_in(self, now: float) -> bool:
+        """vLLM's last lines are in (or OUTPUT_WAIT passed): never blocking the loop."""
+        assert self.gone_at is not None
+        return self.child.output_closed() or now - self.gone_at >= OUTPUT_WAIT
+
+
+# Jobs for the executor: each binds its probe now, so a later config cannot change it.
+def _health_job(probe: ProbeLike, timeout: float, owner: Callable[[], PortOwner] | None
+                ) -> Callable[[], tuple[HealthResult, PortOwner | None]]:
+    """/health while loading, and whose 200 it was (found here, off the loop, as _PollJob)."""
+    def job() -> tuple[HealthResult, PortOwner | None]:
+        health = probe.health(timeout)
+        return health, _whose(health, owner)
+    return job
+
+
+def _whose(health: HealthResult, owner: Callable[[], PortOwner] | None) -> PortOwner | None:
+    """Who listens on the port, asked only for a 200 (the walk is slow: a job's thread)."""
+    return owner() if health.ok and owner is not None else None
+
+
+class _PollJob:
+    """/health then /metrics; ``health`` is set as soon as the first answer is in, so the loop
+    can tell an overdue /health from a slow /metrics while the job still runs."""
+
+    def __init__(self, probe: ProbeLike, timeout: float, clock: Callable[[], float],
+                 owner: Callable[[], PortOwner] | None = None) -> None:
+        self.probe = probe
+        self.timeout = timeout
+        self.clock = clock
+        self.owner = owner
+        self.health: HealthResult | None = None
+        self.metrics_sent: float | None = None
+
+    def __call__(self) -> tuple[HealthResult, MetricsResult, PortOwner | None]:
+        health = self.probe.health(self.timeout)
+        self.metrics_sent = self.clock()  # before ``health``: the loop reads them unlocked
+        self.health = health
+        metrics = self.probe.metrics(self.timeout)
+        return health, metrics, _whose(health, self.owner)
+
+
+def _canary_job(probe: ProbeLike, timeout: float, metrics_timeout: float
+                ) -> Callable[[], tuple[MetricsResult, CompletionResult, MetricsResult]]:
+    # The counters on both sides of the canary tell a queued canary from a hung engine.
+    return lambda: (probe.metrics(metrics_timeout), probe.complete([TOKEN_CANARY], 1, timeout),
+                    probe.metrics(metrics_timeout))
+
+
+def _drain_job(child: ChildLike, port: int) -> Callable[[], int | None]:
+    return lambda: child.client_connections(port)
+
+
+def _drain_gauges_job(probe: ProbeLike, timeout: float
+                      ) -> Callable[[], tuple[float | None, float | None]]:
+    def job() -> tuple[float | None, float | None]:
+        m = probe.metrics(timeout)
+        return (m.get(RUNNING), m.get(WAITING)) if m.ok else (None, None)
+    return job
+
+
+def _busy(m: MetricsResult) -> bool:
+    return m.get(RUNNING) + m.get(WAITING) > 0
+
+
+def _progress_of(m: MetricsResult) -> float:
+    """The engine's progress counter in one /metrics answer (vllmfacts says which metrics)."""
+    return vllmfacts.progress_counter(m.values)
