@@ -212,6 +212,8 @@ def test_the_bench_resolves_the_platform_the_server_does(tmp_path: Path) -> None
 
 
 def test_bench_with_a_tiny_workload(daemon: Daemon, tmp_path: Path) -> None:
+    # READY first, so that the test also runs alone (-k), not only after the ones above
+    until(lambda: get(daemon, "/readyz")[0] == 200, START_TIMEOUT, "/readyz 200", daemon)
     r = qwen4090("bench", "--config", str(daemon.cfg_path),  # type: ignore[attr-defined]
                  "--concurrency", "1,2", "--short", "20-40", "--long", "100-200",
                  "--max-tokens", "8", "--num-prompts", "5", "--slo-ttft-p99-ms", "60000",
