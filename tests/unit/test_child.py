@@ -245,11 +245,11 @@ me = os.getpid()
 # vLLM's tree: a leader in its own session whose child (the "EngineCore") outlives it
 LEADER = (
     "import os, sys, time\n"
+    "leader = os.getpid()\n"
     "gc = os.fork()\n"
     "if gc == 0:\n"
-    "    parent = os.getppid()\n"
     "    deadline = time.monotonic() + 20\n"
-    "    while os.getppid() == parent and time.monotonic() < deadline:\n"
+    "    while os.getppid() == leader and time.monotonic() < deadline:\n"
     "        time.sleep(0.01)\n"
     "    os._exit(7)\n"
     "print(gc, flush=True)\n"
