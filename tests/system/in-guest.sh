@@ -127,17 +127,24 @@ check "tmpfiles made /var/lib/qwen4090 and /var/cache/qwen4090 owned by $U" \
     sh -c "[ \$(stat -c %U /var/lib/qwen4090) = $U ] && [ \$(stat -c %U /var/cache/qwen4090) = $U ]"
 check "/etc/qwen4090/qwen4090.toml is a conffile" \
     sh -c "dpkg-query -W -f='\${Conffiles}' qwen4090 | grep -q /etc/qwen4090/qwen4090.toml"
-check "the unit is enabled ($(systemctl is-enabled qwen4090))" \
-    test "$(systemctl is-enabled qwen4090)" = enabled
+# Not enabled: before a model exists an enabled unit failed (78) at every boot (issue 19.6).
+check "the install did not enable the unit ($(systemctl is-enabled qwen4090))" \
+    test "$(systemctl is-enabled qwen4090)" = disabled
 check "the install did not start it (runtime and model come later)" \
     test "$(systemctl is-active qwen4090)" = inactive
+# What a boot does: start the default target and everything it wants.
+timeout 120 systemctl start default.target
+failed_units() { systemctl list-units --state=failed --plain --no-legend 'qwen4090*' | cut -d' ' -f1 | tr '\n' ' '; }
+check "a boot before a model exists leaves no failed unit (qwen4090: $(systemctl is-active qwen4090); failed: $(failed_units))" \
+    test "$(systemctl is-active qwen4090)|$(failed_units)" = "inactive|"
 # --man=no: the guest has no man-db; the host's offline verify checked the pages.
 out=$(systemd-analyze verify --man=no /lib/systemd/system/qwen4090.service 2>&1)
 check "systemd-analyze verify in the guest: no output${out:+ ($out)}" test -z "$out"
 note "$(systemd-analyze security qwen4090.service 2>/dev/null | tail -n1)"
 check "man pages installed" test -f /usr/share/man/man8/qwen4090.8.gz -a -f /usr/share/man/man5/qwen4090.toml.5.gz
-check "needrestart exclusion, README.Debian and the examples installed" test -f /etc/needrestart/conf.d/qwen4090.conf \
-    -a -f /usr/share/doc/qwen4090/README.Debian -a -f /usr/share/doc/qwen4090/examples/instances/gpu1.toml \
+check "needrestart exclusion, README.Debian, NEWS.Debian and the examples installed" test -f /etc/needrestart/conf.d/qwen4090.conf \
+    -a -f /usr/share/doc/qwen4090/README.Debian.gz -a -f /usr/share/doc/qwen4090/NEWS.Debian.gz \
+    -a -f /usr/share/doc/qwen4090/examples/instances/gpu1.toml -a -f /usr/share/doc/qwen4090/examples/onfailure/onfailure.conf \
     -a -f /usr/share/doc/qwen4090/examples/grafana-dashboard.json
 for u in qwen4090 qwen4090@x; do
     p=$(for k in RestartPreventExitStatus StartLimitBurst StartLimitIntervalUSec OOMPolicy LimitNOFILE; do
@@ -234,14 +241,28 @@ rm -rf /srv/private-model
 check "check-config as $U passes with the CI drop-in" sh -c "runuser -u $U -- qwen4090 check-config >/tmp/check-config.out"
 systemctl reset-failed qwen4090
 
-echo "== crash loop: exit 75 again and again ends failed (StartLimitBurst=3 in 10 min)"
-# qwen4090@crash: a "vLLM" that exits at once; the supervisor gives up after 2 failures (exit
-# 75), systemd restarts it after RestartSec=10s until the start limit refuses the fourth start.
-cat >/etc/qwen4090/instances/crash.toml <<EOF
+echo "== crash loops end failed: exit 75 is not restarted (RestartPreventExitStatus=69 75 78)"
+# Two instances at once. qwen4090@crash: a "vLLM" that exits at once. qwen4090@slowcrash: a
+# stand-in that fails 40 s after each start, as a vLLM dying at KV profiling or in warmup does
+# (40-110 s on the H200): with 75 restarted, StartLimitBurst=3 in 10 min never caught a
+# supervisor that spent minutes per budget, and the loop went on forever (issue 19.3). The
+# budget is 2 failures here to keep the test short; the docs give the bound for the defaults.
+cat >/usr/local/bin/qwen4090-fails-after-40s <<'SH'
+#!/bin/sh
+echo "stand-in vLLM (pid $$): loading; fails 40 s after its start"
+sleep 40
+echo "stand-in vLLM: RuntimeError: the stand-in failed after 40 s" >&2
+exit 1
+SH
+chmod 755 /usr/local/bin/qwen4090-fails-after-40s
+for name in crash slowcrash; do
+    cmd=/bin/false; port=18090
+    [ $name = slowcrash ] && cmd=/usr/local/bin/qwen4090-fails-after-40s && port=18092
+    cat >/etc/qwen4090/instances/$name.toml <<EOF
 [vllm]
-command = ["/bin/false"]
+command = ["$cmd"]
 model = "$M"
-port = 18090
+port = $port
 [restart]
 budget_failures = 2
 backoff_initial = 0.2
@@ -250,22 +271,54 @@ jitter = 0.0
 [warmup]
 enabled = false
 EOF
+done
+# The shipped OnFailure= example, for the slow one.
+EX=/usr/share/doc/qwen4090/examples/onfailure
+mkdir -p /etc/systemd/system/qwen4090@slowcrash.service.d
+cp $EX/onfailure.conf /etc/systemd/system/qwen4090@slowcrash.service.d/
+cp $EX/qwen4090-failed@.service /etc/systemd/system/
+systemctl daemon-reload
 ts=$(date +%s)
-systemctl start --no-block qwen4090@crash
-# (systemd 252 keeps Result=exit-code when the limit refuses an automatic restart; the journal
-# line is what says it.)
-wait_for 150 sh -c 'journalctl -u qwen4090@crash -o cat --no-pager | grep -q "Start request repeated too quickly"'
+systemctl start --no-block qwen4090@crash qwen4090@slowcrash
+wait_for 30 ustate_in qwen4090@crash failed
 st=$(for k in ActiveState ExecMainStatus NRestarts; do uprop qwen4090@crash $k; done | paste -sd/ -)
-check "the crash loop ended failed after $(elapsed "$ts"): ActiveState/status/NRestarts $st (3 starts, the 4th refused)" \
-    test "$st" = failed/75/3
-journalctl -u qwen4090@crash -o cat --no-pager >/tmp/crash.journal
-check "... the journal says the supervisor exited 75 (3 times) and the start limit hit" \
-    sh -c "[ \$(grep -c 'status=75/TEMPFAIL' /tmp/crash.journal) = 3 ] && grep -q 'Start request repeated too quickly' /tmp/crash.journal"
-n=$(uprop qwen4090@crash NRestarts)
+check "the fast crash loop (vLLM exits at once) ended failed after $(elapsed "$ts"), not restarted: ActiveState/status/NRestarts $st" \
+    test "$st" = failed/75/0
+wait_for 200 ustate_in qwen4090@slowcrash failed
+dt=$(elapsed "$ts")
+st=$(for k in ActiveState ExecMainStatus NRestarts; do uprop qwen4090@slowcrash $k; done | paste -sd/ -)
+check "the slow crash loop (vLLM fails 40 s after each start) ended failed after $dt: ActiveState/status/NRestarts $st" \
+    test "$st" = failed/75/0
+journalctl -u qwen4090@slowcrash -o cat --no-pager >/tmp/slowcrash.journal
+note "$(grep -m1 'crash loop' /tmp/slowcrash.journal | cut -c1-160)"
+# seconds from each child_spawned to its child_exited
+lives=$(journalctl -u qwen4090@slowcrash -o short-unix --no-pager | python3 -c '
+import sys
+start, lives = None, []
+for line in sys.stdin:
+    when = line.split(" ", 1)[0]
+    if "child_spawned pid=" in line:
+        start = float(when)
+    elif "child_exited pid=" in line and start is not None:
+        lives.append(str(round(float(when) - start)))
+        start = None
+print(" ".join(lives))')
+check "... after 2 failures of the stand-in, each about 40 s after its start (seconds: $lives)" \
+    sh -c "grep -q 'crash loop: 2 failures' /tmp/slowcrash.journal && python3 -c 'import sys; s = [int(x) for x in sys.argv[1:]]; sys.exit(not (len(s) == 2 and all(39 <= x <= 60 for x in s)))' $lives"
+n="$(uprop qwen4090@crash NRestarts)/$(uprop qwen4090@slowcrash NRestarts)"
 sleep 12
-check "... and it stays failed, no restart after RestartSec (NRestarts $n -> $(uprop qwen4090@crash NRestarts))" \
-    test "$(uprop qwen4090@crash ActiveState)/$(uprop qwen4090@crash NRestarts)" = "failed/$n"
-systemctl reset-failed qwen4090@crash; rm -f /etc/qwen4090/instances/crash.toml
+st="$(uprop qwen4090@crash ActiveState)/$(uprop qwen4090@slowcrash ActiveState)/$(uprop qwen4090@crash NRestarts)/$(uprop qwen4090@slowcrash NRestarts)"
+check "... and both stay failed, no restart after RestartSec=10s (NRestarts $n, then states/NRestarts $st)" \
+    test "$st" = "failed/failed/0/0"
+alert=$(journalctl -t qwen4090-alert -o cat --no-pager 2>/dev/null | head -n1)
+check "the OnFailure= example reported it (journalctl -t qwen4090-alert: $alert)" \
+    has "$alert" "qwen4090@slowcrash.service"
+check "the instances log under their own identifiers qwen4090-crash and qwen4090-slowcrash (SyslogIdentifier=qwen4090-%i)" \
+    sh -c "journalctl -t qwen4090-crash -o cat --no-pager | grep -q 'crash loop' && journalctl -t qwen4090-slowcrash -o cat --no-pager | grep -q 'crash loop'"
+systemctl reset-failed qwen4090@crash qwen4090@slowcrash
+rm -rf /etc/qwen4090/instances/crash.toml /etc/qwen4090/instances/slowcrash.toml \
+    /etc/systemd/system/qwen4090@slowcrash.service.d /etc/systemd/system/qwen4090-failed@.service
+systemctl daemon-reload
 
 # The runtime venv is bound from the host (Debian 12's python3.11): a guest with another
 # python3 (Debian 13: 3.13) cannot import it, so the parts that serve with vLLM are skipped.
@@ -341,10 +394,14 @@ check "LimitNOFILE=65536 reached the supervisor (soft $nofile; the guest's ceili
 check "... and vLLM no longer says \"Found ulimit of 1024\"" \
     sh -c '! journalctl -u qwen4090 -b -o cat --no-pager | grep -q "Found ulimit of 1024 "'
 
-echo "== upgrade while running: no restart, a note what to restart"
+echo "== upgrade while running: no restart, a note what to restart, the new unit loaded"
+# A second .deb, a later version whose unit differs: one Environment= more (issue 19.1).
 rm -rf /tmp/up && dpkg-deb -R "$DEB" /tmp/up
 OLDV=$(dpkg-query -W -f='${Version}' qwen4090); NEWV="$OLDV+ci1"
 sed -i "s/^Version: .*/Version: $NEWV/" /tmp/up/DEBIAN/control
+UNITF=$(cd /tmp/up && ls lib/systemd/system/qwen4090.service usr/lib/systemd/system/qwen4090.service 2>/dev/null | head -n1)
+sed -i 's/^Environment=HOME=/Environment=QWEN4090_UNIT_GENERATION=2\nEnvironment=HOME=/' "/tmp/up/$UNITF"
+sed -i "s|^[0-9a-f]*  $UNITF\$|$(cd /tmp/up && md5sum "$UNITF")|" /tmp/up/DEBIAN/md5sums
 dpkg-deb -b /tmp/up /tmp/qwen4090-up.deb >/dev/null
 ts=$(date +%s)
 apt-get install -y -q /tmp/qwen4090-up.deb >/tmp/upgrade.log 2>&1; rc=$?
@@ -355,6 +412,10 @@ check "... the running service was not restarted (MainPID $MAIN, vLLM $VPID kept
     test "$(prop MainPID) $(vllm_pid) $(prop ActiveState)" = "$MAIN $VPID active"
 msg=$(grep '^qwen4090: restart' /tmp/upgrade.log || true)
 check "... and apt's output says what to restart: $msg" has "$msg" "systemctl restart qwen4090.service"
+check "... and systemd loaded the new unit (NeedDaemonReload=$(prop NeedDaemonReload); Environment= has QWEN4090_UNIT_GENERATION=2)" \
+    sh -c '[ "$(systemctl show -p NeedDaemonReload --value qwen4090)" = no ] && systemctl show -p Environment --value qwen4090 | grep -qw QWEN4090_UNIT_GENERATION=2'
+check "... which the running supervisor (pid $MAIN) does not have yet" \
+    sh -c "! tr '\\0' '\\n' </proc/$MAIN/environ | grep -qx QWEN4090_UNIT_GENERATION=2"
 
 echo "== reload"
 MAIN=$(prop MainPID)
@@ -445,6 +506,8 @@ check "active (READY) again $(elapsed "$ts") after the kill: $(prop StatusText)"
     test "$(prop ActiveState)" = active
 r=$(complete 4 "$KEY")
 check "serves again ($r)" test "$r" = "200 4"
+check "the restarted supervisor runs the upgraded unit (QWEN4090_UNIT_GENERATION=2 in pid $(prop MainPID)'s environment)" \
+    sh -c "tr '\\0' '\\n' </proc/$(prop MainPID)/environ | grep -qx QWEN4090_UNIT_GENERATION=2"
 
 echo "== stop drains and leaves no process"
 c=$(cursor)
@@ -519,7 +582,13 @@ check "qwen4090@gpu0 stopped, qwen4090@gpu1 still active" \
 
 fi   # VLLM_OK
 
-echo "== purge (while a start is in progress, an instance running, a model fetched)"
+echo "== purge (while a start is in progress, an instance running, a model fetched, state and cache mount points)"
+# /var/lib/qwen4090 (bound onto itself) and /var/cache/qwen4090 (a tmpfs) as mount points: rm -rf
+# of a mount point fails with EBUSY, and purge failed (issue 19.6).
+mount --bind /var/lib/qwen4090 /var/lib/qwen4090 && mount -t tmpfs -o mode=0750 qwen4090-cache /var/cache/qwen4090 \
+    && chown $U:$U /var/cache/qwen4090 && install -d -o $U /var/cache/qwen4090/sub && touch /var/cache/qwen4090/sub/x
+check "/var/lib/qwen4090 and /var/cache/qwen4090 are mount points now" \
+    sh -c 'mountpoint -q /var/lib/qwen4090 && mountpoint -q /var/cache/qwen4090'
 systemctl start --no-block qwen4090
 wait_for 30 sh -c '[ "$(systemctl show -p MainPID --value qwen4090)" != 0 ]'
 ts=$(date +%s)
@@ -529,8 +598,11 @@ else
     cat /tmp/purge.log; bad "apt-get purge"
 fi
 check "purge stopped the service and the instance: no process of $U left" wait_for 30 no_user_pids
-check "config, cache and state removed (learned settings, instance state): /var/lib/qwen4090 has $(ls -A /var/lib/qwen4090 | tr '\n' ' ')" \
-    sh -c '! [ -e /etc/qwen4090 ] && ! [ -e /var/cache/qwen4090 ] && ! [ -e /var/lib/qwen4090/gpu1 ] && [ "$(ls -A /var/lib/qwen4090)" = models ]'
+check "config, cache and state removed (learned settings, instance state): /var/lib/qwen4090 has $(ls -A /var/lib/qwen4090 | tr '\n' ' '), /var/cache/qwen4090 has $(ls -A /var/cache/qwen4090 2>&1 | tr '\n' ' ')" \
+    sh -c '! [ -e /etc/qwen4090 ] && [ -z "$(ls -A /var/cache/qwen4090)" ] && ! [ -e /var/lib/qwen4090/gpu1 ] && [ "$(ls -A /var/lib/qwen4090)" = models ]'
+check "... the two mount points are left, emptied, and purge said so" \
+    sh -c 'mountpoint -q /var/lib/qwen4090 && mountpoint -q /var/cache/qwen4090 && grep -q "/var/cache/qwen4090 is a mount point" /tmp/purge.log'
+umount /var/cache/qwen4090 /var/lib/qwen4090 2>/dev/null || true
 check "the models are kept: $(grep -m1 'kept the models' /tmp/purge.log)" \
     sh -c "[ -f $M/config.json ] && grep -q 'kept the models in /var/lib/qwen4090/models' /tmp/purge.log"
 check "unit file gone" sh -c '! [ -e /lib/systemd/system/qwen4090.service ]'
