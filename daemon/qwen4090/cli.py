@@ -211,6 +211,10 @@ def loop(sup: Supervisor, api: httpapi.StatusApi, notifier: Notifier, wake: sign
     while not sup.done:
         began = time.monotonic()
         sup.step()
+        # As a subreaper we adopt vLLM's orphans (a killed API server's EngineCore): collect
+        # their exit status, never that of a child a Popen of ours waits on (issue 18.3).
+        for pid, code in child.reap_adopted(child.OWN.pids()):
+            log.info("orphan_reaped", pid=pid, code=code)
         api.beat()
         if (took := time.monotonic() - began) > LOOP_STALL:
             log.warning("loop_stalled", seconds=round(took, 1), state=sup.state.value,

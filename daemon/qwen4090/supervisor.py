@@ -20,8 +20,8 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from qwen4090 import states
-from qwen4090.config import AUTO, Config, ConfigError, changed_sections
+from qwen4090 import states, statusline
+from qwen4090.config import Config, ConfigError, changed_sections
 from qwen4090.contracts import (
     ChildLike,
     CompletionResult,
@@ -802,44 +802,15 @@ class Supervisor:
 
     def status_line(self, now: float, note: str = "") -> str:
         """The one line systemctl status shows (STATUS=)."""
-        v = self.launch_cfg.vllm
-        s = self.state
-        run = self.run
-        tail = f", restarts={self.restarts}"
-        if s in states.SERVING_STATES:
-            ttft = ""
-            if self.warmup and self.warmup.ok:
-                near = self.warmup.ttft_near(1024)
-                if near:
-                    ttft = f", TTFT@{_k(near[0])}={near[1]:.0f}ms"
-            ctx = v.max_model_len if v.max_model_len != AUTO else "auto"
-            line = f"{s.value}: {v.served_model_name} ctx={ctx} seqs={v.max_num_seqs}{ttft}{tail}"
-            if s == S.DEGRADED:
-                line += f" ({self.state_reason})"
-        elif s in (S.STARTING, S.LOADING) and run is not None:
-            line = f"{s.value}: {v.served_model_name} (pid {run.child.pid}, " \
-                   f"{int(now - run.spawned_at)}s){tail}"
-        elif s == S.WARMING:
-            progress = run.warmup_progress if run is not None else ""
-            line = f"warming: {progress or 'starting'}{tail}"
-        elif s == S.RESTARTING:
-            when = "" if self.restart_at is None else f" in {max(0, self.restart_at - now):.0f}s"
-            cause = self.failure.cause.value if self.failure else "?"
-            line = f"restarting{when} after {cause} ({self.budget.count(now)}/" \
-                   f"{self.cfg.restart.budget_failures} failures in window){tail}"
-        elif s == S.STOPPING:
-            phase = "stop" if run is None else "drain" if run.drain is not None else "term"
-            line = f"stopping: {phase} ({int(now - self.state_since)}s)"
-        elif s == S.FAILED:
-            line = f"failed: {self.state_reason}"[:400]
-        elif s == S.PREFLIGHT and self.port_wait.holder:
-            c = self.cfg.vllm
-            line = f"waiting for port {c.host}:{c.port} held by {self.port_wait.holder}"[:400] \
-                + tail
-        else:
-            line = f"{s.value}: {self.state_reason}"
-        return f"{line}; {note}" if note else line
-
-
-def _k(n: int) -> str:
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+        run, c = self.run, self.cfg
+        return statusline.render(statusline.Facts(
+            state=self.state, reason=self.state_reason, seconds=now - self.state_since,
+            vllm=self.launch_cfg.vllm, restarts=self.restarts, warmup=self.warmup,
+            pid=run.child.pid if run else None,
+            run_seconds=now - run.spawned_at if run else 0.0,
+            warming=run.warmup_progress if run else "",
+            restart_in=None if self.restart_at is None else self.restart_at - now,
+            cause=self.failure.cause.value if self.failure else "?",
+            failures=self.budget.count(now), budget=c.restart.budget_failures,
+            stop_phase="stop" if run is None else "drain" if run.drain is not None else "term",
+            port=f"{c.vllm.host}:{c.vllm.port}", port_holder=self.port_wait.holder), note)

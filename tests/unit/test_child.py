@@ -349,3 +349,4 @@ def test_the_child_tells_its_engines_death_line_with_itself_and_its_kv_cache() -
         assert 5.28 * 1024**3 < kv_bytes < 5.3 * 1024**3
     finally:
         child.signal_group(signal.SIGKILL)
+        assert wait_until(lambda: child.poll() is not None)  # its Popen has the status

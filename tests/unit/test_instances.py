@@ -154,6 +154,7 @@ def test_install_runtime_can_see_the_system_site_packages(tmp_path: Path) -> Non
     provision.install_runtime(tmp_path / "v", "vllm", "0.26.0", tmp_path, "/usr/bin/python3",
                               ["--no-deps"], runner=runner,  # type: ignore[arg-type]
                               system_site_packages=True)
-    assert calls[0] == ["/usr/bin/python3", "-m", "venv", "--system-site-packages",
-                        str(tmp_path / "v")]
+    assert calls[0][:4] == ["/usr/bin/python3", "-m", "venv", "--system-site-packages"]
+    # a new runtime beside the old one, switched to once checked (issue 19.5)
+    assert calls[0][-1].startswith(str(tmp_path / "venvs" / "vllm-0.26.0-"))
     assert calls[1][-4:] == ["--find-links", str(tmp_path), "--no-deps", "vllm==0.26.0"]

@@ -1,0 +1,68 @@
+"""The STATUS= line systemd shows in ``systemctl status``: one line a human can read, from the
+supervisor's facts (pure; the supervisor sends it when it changes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from qwen4090.config import AUTO, VllmConfig
+from qwen4090.states import SERVING_STATES, State
+
+S = State
+
+
+@dataclass(frozen=True)
+class Facts:
+    state: State
+    reason: str  # why the state was entered
+    seconds: float  # in this state
+    vllm: VllmConfig  # what the current vLLM runs with
+    restarts: int
+    warmup: Any  # the last warmup.WarmupResult, or None
+    pid: int | None  # vLLM's API server
+    run_seconds: float  # since vLLM was spawned
+    warming: str  # the warmup's last step
+    restart_in: float | None  # seconds until the next launch (None: not scheduled)
+    cause: str  # of the last failure
+    failures: int  # in the crash-loop window
+    budget: int  # restart.budget_failures
+    stop_phase: str  # drain, term or stop
+    port: str  # vLLM's host:port
+    port_holder: str  # who holds it while preflight waits ("" = not waiting)
+
+
+def render(f: Facts, note: str = "") -> str:
+    v, s = f.vllm, f.state
+    tail = f", restarts={f.restarts}"
+    if s in SERVING_STATES:
+        ttft = ""
+        if f.warmup and f.warmup.ok:
+            near = f.warmup.ttft_near(1024)
+            if near:
+                ttft = f", TTFT@{_k(near[0])}={near[1]:.0f}ms"
+        ctx = v.max_model_len if v.max_model_len != AUTO else "auto"
+        line = f"{s.value}: {v.served_model_name} ctx={ctx} seqs={v.max_num_seqs}{ttft}{tail}"
+        if s == S.DEGRADED:
+            line += f" ({f.reason})"
+    elif s in (S.STARTING, S.LOADING) and f.pid is not None:
+        line = f"{s.value}: {v.served_model_name} (pid {f.pid}, {int(f.run_seconds)}s){tail}"
+    elif s == S.WARMING:
+        line = f"warming: {f.warming or 'starting'}{tail}"
+    elif s == S.RESTARTING:
+        when = "" if f.restart_in is None else f" in {max(0, f.restart_in):.0f}s"
+        line = f"restarting{when} after {f.cause} ({f.failures}/{f.budget} failures in " \
+               f"window){tail}"
+    elif s == S.STOPPING:
+        line = f"stopping: {f.stop_phase} ({int(f.seconds)}s)"
+    elif s == S.FAILED:
+        line = f"failed: {f.reason}"[:400]
+    elif s == S.PREFLIGHT and f.port_holder:
+        line = f"waiting for port {f.port} held by {f.port_holder}"[:400] + tail
+    else:
+        line = f"{s.value}: {f.reason}"
+    return f"{line}; {note}" if note else line
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
