@@ -388,6 +388,38 @@ def test_every_build_gets_a_version_that_orders(tmp_path: Path) -> None:
     assert r.returncode == 1 and "pyproject.toml says 9.9.9" in r.stderr
 
 
+@pytest.mark.skipif(not (_TOOLS and SCRIPT.is_file()), reason="needs git, dpkg-dev, build-deb.sh")
+def test_a_version_already_built_from_other_sources_is_refused(tmp_path: Path) -> None:
+    """dist/ has the version with another source hash (or none): no second content under one
+    version (issue 19.1). Refused before the build, so no build dependencies are needed."""
+    repo = tmp_path / "repo"
+    for d in ("scripts", "packaging/debian", "etc/qwen4090"):
+        (repo / d).mkdir(parents=True)
+    shutil.copy(SCRIPT, repo / "scripts/build-deb.sh")
+    (repo / "packaging/debian/changelog").write_text(_entry("1.0.0"))
+    (repo / "pyproject.toml").write_text('[project]\nversion = "1.0.0"\n')
+    (repo / "etc/qwen4090/qwen4090.toml").write_text("# shipped\n")
+    (repo / ".gitignore").write_text("/dist/\n/build/\n")  # as this repository's
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "release 1.0.0")
+    assert _build_version(repo) == "1.0.0"
+    deb = repo / "dist/qwen4090_1.0.0_all.deb"
+    deb.parent.mkdir()
+    deb.write_text("an older build")
+    for record in ("0" * 64, None):
+        rec = deb.with_name(deb.name + ".src-sha256")
+        if record:
+            rec.write_text(record + "\n")
+        elif rec.exists():
+            rec.unlink()
+        r = subprocess.run(["sh", str(repo / "scripts/build-deb.sh")], capture_output=True,
+                           text=True)
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        assert "was already built from other sources" in r.stderr
+        assert deb.read_text() == "an older build"
+
+
 def _man_sections(page: str) -> dict[str, list[str]]:
     """.SH NAME -> the .B words of its .TP entries, roff escapes undone."""
     out: dict[str, list[str]] = {}
