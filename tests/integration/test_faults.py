@@ -9,6 +9,7 @@ bounds are correctness bounds on the behaviour, not performance targets.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import time
@@ -150,6 +151,68 @@ def test_killed_api_server_is_seen_at_once(daemon: Daemon) -> None:
     daemon.wait_for(lambda: daemon.statuses()[-1].startswith("ready: tiny"), 10,
                     "STATUS=ready after the restart")
     assert "restarts=2" in daemon.statuses()[-1]
+
+
+def zombie_children(pid: int) -> list[str]:
+    """The <defunct> children of ``pid``: pid and name."""
+    out = []
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for p in psutil.Process(pid).children():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    out.append(f"{p.pid} ({p.name()})")
+    return out
+
+
+PTRACE_SEIZE = 0x4206
+WALL = 0x40000000  # __WALL: wait for a tracee whatever its kind
+
+
+def seize(pid: int) -> str | None:
+    """Trace ``pid`` without stopping it (PTRACE_SEIZE); why not, or None."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.restype = ctypes.c_long
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    if libc.ptrace(PTRACE_SEIZE, pid, None, None) != 0:
+        return os.strerror(ctypes.get_errno())
+    return None
+
+
+def test_an_orphan_whose_exit_comes_late_is_reaped(daemon: Daemon) -> None:
+    """Issue 18.3: the EngineCore of a SIGKILLed API server is adopted by the supervisor (a
+    subreaper) and killed with the group; on the H200 it then stayed <defunct> under the
+    supervisor until the supervisor exited (2 of 2).  There its exit became collectable only
+    after the supervisor had found the group gone (a killed CUDA process takes seconds to
+    release the GPU; its leader shows as a zombie meanwhile).  The same order is made here:
+    the test traces the EngineCore (PTRACE_SEIZE), so its zombie is the tracer's to collect
+    first, and lets it go only after ``group_gone``.  Then only a reaper of adopted children
+    (child.reap_adopted, called by the loop) collects it.  Fails until the loop calls
+    ``child.reap_adopted(child.OWN.pids())`` (cli.loop)."""
+    daemon.wait_state("ready", START_TIMEOUT)
+    pid = daemon.last_child_pid()
+    engine = daemon.engine_core()
+    why = seize(engine.pid)
+    if why is not None:
+        pytest.skip(f"cannot trace the EngineCore {engine.pid}: {why}")
+    mark = daemon.mark()
+    os.kill(pid, signal.SIGKILL)
+    daemon.wait_event("group_gone", TERM_TIMEOUT + 40, after=mark)
+    deadline = time.monotonic() + 30
+    while os.waitpid(engine.pid, os.WNOHANG | WALL)[0] == 0:  # collected as its tracer ...
+        assert time.monotonic() < deadline, f"the traced EngineCore {engine.pid} never ended"
+        time.sleep(0.05)
+    # ... which hands its zombie to its real parent, the supervisor, with a SIGCHLD
+    sup = daemon.proc.pid
+    try:
+        daemon.wait_for(lambda: not zombie_children(sup), 10,
+                        "no <defunct> child of the supervisor")
+    except AssertionError:
+        raise AssertionError(f"<defunct> under the supervisor {sup} 10 s after the EngineCore "
+                             f"{engine.pid} ended: {zombie_children(sup)}") from None
+    assert not psutil.pid_exists(engine.pid) or psutil.Process(engine.pid).ppid() != sup
+    reaped = daemon.wait_event("orphan_reaped", 10, after=mark, pid=engine.pid)
+    assert reaped["code"] == -signal.SIGKILL, reaped
+    daemon.wait_state("ready", START_TIMEOUT, after=mark)
 
 
 def test_sigterm_with_streams_outliving_a_short_drain_ends_at_the_deadline(
