@@ -211,6 +211,53 @@ class RestartBudget:
             self._times.popleft()
 
 
+@dataclass
+class RestartRecord:
+    wall_time: float
+    cause: str
+    detail: str
+    counted: bool
+
+
+class CrashLoop:
+    """The crash-loop account: the restarts so far and their history, the failures in the
+    budget's window, and the consecutive failures the backoff grows with (a run that served
+    for restart.stable_after starts it over: :meth:`stable`)."""
+
+    def __init__(self, r: RestartConfig) -> None:
+        self.restarts = 0
+        self.history: deque[RestartRecord] = deque(maxlen=50)
+        self.budget = RestartBudget(r.budget_failures, r.budget_window)
+        self.consecutive = 0
+
+    def reconfigure(self, r: RestartConfig) -> None:
+        self.budget.reconfigure(r.budget_failures, r.budget_window)
+
+    def record(self, now: float, wall: float, v: ExitVerdict) -> bool:
+        """A vLLM group is gone after ``v``: True when it counts against the budget."""
+        counted = v.cause not in NOT_FAILURES
+        self.restarts += 1
+        self.history.append(RestartRecord(wall, v.cause.value, v.detail, counted))
+        if counted:
+            self.budget.record(now)
+            self.consecutive += 1
+        return counted
+
+    def spent(self, now: float, r: RestartConfig, v: ExitVerdict) -> str | None:
+        """Why the daemon gives up (the budget is spent), or None."""
+        if not self.budget.exhausted(now):
+            return None
+        return (f"crash loop: {self.budget.count(now)} failures in {r.budget_window:g}s "
+                f"(restart.budget_failures = {r.budget_failures}); last: {v.cause.value}: "
+                f"{v.detail}")
+
+    def stable(self) -> bool:
+        """A run served for restart.stable_after: the backoff starts over (True if it had
+        grown)."""
+        grown, self.consecutive = self.consecutive > 0, 0
+        return grown
+
+
 # --- hang verdicts --------------------------------------------------------------------------
 
 

@@ -121,7 +121,7 @@ class Run:
         self.tasks: dict[str, Task] = {}
         self.next_load_poll = now
         self.warmup_progress = ""
-        self.last_warmup_step = now
+        self.warmup_started = self.last_warmup_step = now
         self.serving = ServingSchedule(HangDetector(watch.hang_timeout, watch.poll_interval),
                                        now, now)
         self.last_metrics: MetricsResult | None = None
@@ -144,8 +144,9 @@ class Run:
     def submit(self, now: float, kind: str, fn: Callable[[], Any]) -> None:
         self.tasks[kind] = Task(kind, now, self._submit(fn), fn)
 
-    def finished(self) -> Iterator[tuple[Task, Any]]:
-        """The jobs that are done, each once, with its result (an exception is logged)."""
+    def finished(self, now: float) -> Iterator[tuple[Task, Any]]:
+        """The jobs that are done, each once, with its result (an exception is logged); the
+        drain's own looks are taken here."""
         for kind in list(self.tasks):
             task = self.tasks.get(kind)  # a failure handled by the caller may have cancelled
             if task is None or not task.future.done():
@@ -156,7 +157,12 @@ class Run:
             except Exception as e:
                 self.log.error("probe_crashed", kind=kind, error=safe_error(e, where=True))
                 continue
-            yield task, result
+            if kind == "drain" and self.drain is not None:
+                self.drain.on_connections(now, result)
+            elif kind == "drain_gauges" and self.drain is not None:
+                self.drain.on_gauges(*result)
+            elif not kind.startswith("drain"):
+                yield task, result
 
     def cancel_tasks(self) -> None:
         for task in self.tasks.values():
@@ -180,14 +186,32 @@ class Run:
 
     # --- loading -----------------------------------------------------------------------------
 
-    def load_poll(self, now: float, timeout: float, ports: PortsLike) -> None:
-        """/health while loading, once per LOAD_POLL_INTERVAL."""
-        if now >= self.next_load_poll and "health" not in self.tasks:
-            self.submit(now, "health", _health_job(self.probe, timeout, self.owner_check(ports)))
+    def start_step(self, now: float, state: State, cfg: Config, ports: PortsLike
+                   ) -> list[Verdict]:
+        """STARTING until vLLM's first line, LOADING with a /health poll each
+        LOAD_POLL_INTERVAL until the 200 (the supervisor's on_health), WARMING until the
+        warmup's result; each bounded (watch.load_timeout, warmup.timeout + request_timeout)."""
+        w = cfg.watch
+        if state is State.WARMING:
+            limit = cfg.warmup.timeout + cfg.warmup.request_timeout
+            if "warmup" in self.tasks and now - self.warmup_started > limit:
+                return [Fail(ExitVerdict(Cause.WARMUP_FAILED, f"warmup overran {limit:g}s",
+                                         True))]
+            return []
+        if state is State.STARTING and self.child.lines > 0:
+            return [Move(State.LOADING, "vLLM is loading")]
+        if now - self.spawned_at > w.load_timeout:
+            return [Fail(ExitVerdict(Cause.LOAD_TIMEOUT, f"/health not 200 within "
+                                                         f"{w.load_timeout:g}s "
+                                                         "(watch.load_timeout)", True))]
+        if state is State.LOADING and now >= self.next_load_poll and "health" not in self.tasks:
+            self.submit(now, "health", _health_job(self.probe, w.health_timeout,
+                                                   self.owner_check(ports)))
             self.next_load_poll = now + LOAD_POLL_INTERVAL
+        return []
 
     def begin_warmup(self, now: float, warmup: Callable[..., Any]) -> None:
-        self.last_warmup_step = now
+        self.warmup_started = self.last_warmup_step = now
         self.warmup_progress = ""
         cfg, probe = self.config, self.probe
 
@@ -385,6 +409,21 @@ class Run:
         return classify_exit(self.exit_rc, self.child.tail_lines() if tail is None else tail,
                              oom_evidence=self.exit_oom)
 
+    def final_verdict(self, failure: ExitVerdict, tail: list[str],
+                      judge: Callable[[ExitVerdict], ExitVerdict]) -> ExitVerdict:
+        """``failure`` judged again from vLLM's full last lines (``judge``: the port guard's
+        word on a held port)."""
+        if self.exit_rc is None and failure.cause is Cause.ENGINE_DEAD:
+            final = engine_dead_verdict(tail, failure.detail)
+            # the engine's own OOM text came after its death line
+            return final if final.cause is Cause.OOM else failure
+        # exit_rc is set only by reap, for an exit vLLM chose itself: a child we stopped has
+        # none, since reap does not run once we left the child's states.
+        if self.exit_rc is None \
+                or failure.cause in (Cause.GPU_FATAL, Cause.PORT_HELD, Cause.PREFLIGHT):
+            return failure  # judged already (a held port's wait must not be judged twice)
+        return judge(self.exit_verdict(tail))
+
     def engine_died(self, line: str) -> ExitVerdict:
         return engine_dead_verdict(self.child.tail_lines(), line)
 
@@ -408,6 +447,23 @@ class Run:
         elif kind == "drain_gauges":
             self.submit(now, kind, _drain_gauges_job(self.probe, timeout))
         return None
+
+    def abort(self, now: float, term_timeout: float, hung: bool) -> list[int]:
+        """The run failed: no more jobs, and its group is stopped; the pids that were in it
+        (the GPU must let go of them before the next launch)."""
+        self.cancel_tasks()
+        self.last_metrics = None
+        pids = [self.child.pid, *self.child.group_members()]
+        # A hung engine will not shut down politely: no term_timeout wait for it.
+        self.begin_kill(now, term_timeout,
+                        hurry="hang: the engine makes no progress" if hung else None)
+        if self.child.poll() is not None and self.child.group_alive():
+            # The API server is gone: what is left of its group (the EngineCore) serves
+            # nobody, and vLLM's own shutdown force-kills it too ("Process manager: force
+            # killing remaining processes").  Its SIGTERM teardown took 1.3 s of an
+            # API-server kill's restart on the H200 (issue 10).
+            self.kill_group(now, "the API server is gone; its EngineCore serves nobody")
+        return pids
 
     def start_drain(self, now: float, timeout: float) -> None:
         """SIGTERM while serving: the clients' requests may finish within ``timeout``."""

@@ -1,5 +1,5 @@
-"""The STATUS= line systemd shows in ``systemctl status``: one line a human can read, from the
-supervisor's facts (pure; the supervisor sends it when it changes)."""
+"""What the supervisor tells a human: the STATUS= line systemd shows in ``systemctl status``
+(one line, sent when it changes) and the snapshot behind /status; pure, from its facts."""
 
 from __future__ import annotations
 
@@ -62,6 +62,27 @@ def render(f: Facts, note: str = "") -> str:
     else:
         line = f"{s.value}: {f.reason}"
     return f"{line}; {note}" if note else line
+
+
+def snapshot(f: Facts, history: list[dict[str, Any]], status: str) -> dict[str, Any]:
+    """The supervisor's facts for /status, `qwen4090 status` and the page (JSON-friendly)."""
+    v, w = f.vllm, f.warmup
+    return {
+        "state": f.state.value,
+        "state_reason": f.reason,
+        "state_seconds": round(f.seconds, 3),
+        "child_pid": f.pid,
+        "restarts": f.restarts,
+        "failures_in_window": f.failures,
+        "history": history,
+        "model": v.served_model_name,
+        "max_model_len": v.max_model_len,
+        "max_num_seqs": v.max_num_seqs,
+        "warmup": None if w is None else {
+            "ok": w.ok, "seconds": round(w.seconds, 3), "rows": [r.__dict__ for r in w.rows],
+            "error": w.error},
+        "status": status,
+    }
 
 
 def _k(n: int) -> str:

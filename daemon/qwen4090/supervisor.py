@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import signal
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from qwen4090 import states, statusline
@@ -41,7 +41,6 @@ from qwen4090.events import (
     Transition,
     WarmedUp,
 )
-from qwen4090.instance import PortWait
 from qwen4090.launch import configured
 from qwen4090.policy import (
     EX_CONFIG,
@@ -50,11 +49,11 @@ from qwen4090.policy import (
     EX_TEMPFAIL,
     NOT_FAILURES,
     Cause,
+    CrashLoop,
     ExitVerdict,
-    RestartBudget,
     backoff_delay,
-    engine_dead_verdict,
 )
+from qwen4090.portguard import PortGuard
 from qwen4090.redact import safe_error
 from qwen4090.run import Fail, Move, Run, Verdict
 from qwen4090.states import State
@@ -64,21 +63,11 @@ S = State
 EXTEND_EVERY = 10.0  # how often EXTEND_TIMEOUT_USEC goes out while a start makes progress
 EXTEND_BY = 60.0  # ... and how far it reaches
 PROGRESS_WINDOW = 120.0  # output or warmup steps within this long count as "making progress"
-PORT_RETRY = 1.0  # while vLLM's port is held: how often we look again
-PORT_SAY_EVERY = 30.0  # ... and how often we say again who holds it
 # The loop's longest sleep with nothing due, and its tick while it waits for something that has
 # no deadline (a process to end, the GPU to be released); a signal or a job's result wakes it.
 IDLE_TICK = 0.5
 WAIT_TICK = 0.2
 LAST_LINES_TICK = 0.02  # vLLM's last lines: the pipes end milliseconds after its group
-
-
-@dataclass
-class RestartRecord:
-    wall_time: float
-    cause: str
-    detail: str
-    counted: bool
 
 
 class Supervisor:
@@ -95,10 +84,7 @@ class Supervisor:
         self.exit_code: int | None = None
         self.run: Run | None = None  # the vLLM process group, from its spawn until it is gone
         self.launch = configured(cfg)  # what the last vLLM ran with, and why (launch.py)
-        self.restarts = 0
-        self.history: deque[RestartRecord] = deque(maxlen=50)
-        self.budget = RestartBudget(cfg.restart.budget_failures, cfg.restart.budget_window)
-        self.consecutive = 0
+        self.crashes = CrashLoop(cfg.restart)  # restarts, history, budget, backoff
         self.failure: ExitVerdict | None = None
         self.restart_at: float | None = None
         self.ready_notified = False
@@ -114,7 +100,7 @@ class Supervisor:
         self.last_watchdog = -1e18
         self.last_extend = -1e18
         self.last_status = ""
-        self.port_wait = PortWait()
+        self.port = PortGuard(self.log)  # vLLM's port while another process holds it
 
     # --- public surface ------------------------------------------------------------------
 
@@ -187,25 +173,10 @@ class Supervisor:
         self.moved = self.state is not before
 
     def snapshot(self) -> dict[str, Any]:
-        """Facts for status output (JSON-friendly)."""
+        """Facts for status output (JSON-friendly): /status, `qwen4090 status`, the page."""
         now = self.p.clock()
-        v = self.launch_cfg.vllm
-        return {
-            "state": self.state.value,
-            "state_reason": self.state_reason,
-            "state_seconds": round(now - self.state_since, 3),
-            "child_pid": self.child.pid if self.child else None,
-            "restarts": self.restarts,
-            "failures_in_window": self.budget.count(now),
-            "history": [asdict(r) for r in self.history],
-            "model": v.served_model_name,
-            "max_model_len": v.max_model_len,
-            "max_num_seqs": v.max_num_seqs,
-            "warmup": None if self.warmup is None else {
-                "ok": self.warmup.ok, "seconds": round(self.warmup.seconds, 3),
-                "rows": [r.__dict__ for r in self.warmup.rows], "error": self.warmup.error},
-            "status": self.last_status,
-        }
+        return statusline.snapshot(self.facts(now), [asdict(r) for r in self.crashes.history],
+                                   self.last_status)
 
     # --- loop steps ------------------------------------------------------------------------
 
@@ -240,18 +211,9 @@ class Supervisor:
 
     def handle_reload(self, now: float) -> None:
         """SIGHUP: read the config again; a broken one is refused and the old one stays.
-
-        Changed ``[vllm]`` settings restart vLLM (controlled, not counted); every other section
-        applies live: the supervisor reads ``self.cfg`` where it uses a setting, and cli.py's
-        listener of :class:`events.Reloaded` (``reload_fanout``) redoes what was set up from the
-        config at start-up: logging, the GPU watch, the status endpoint.
-
-        systemd's reload protocol (sd_notify(3)) is spoken only by a service that was READY:
-        before the first READY=1 the unit is still "activating", so a SIGHUP then sends neither
-        RELOADING=1 nor READY=1; the new config is used from the next launch (``[vllm]``
-        restarts the one loading now) and READY=1 goes out once, after the warmup.  After the
-        first READY=1 a reload is RELOADING=1 + MONOTONIC_USEC and ends with READY=1 — also
-        when the config is refused and while the restart it caused is still under way.
+        Changed ``[vllm]`` settings restart vLLM (controlled, not counted), the rest applies live
+        (cli.reload_fanout redoes logging, the GPU watch and the status endpoint).  Once READY,
+        RELOADING=1 ... READY=1 (also when refused); before it, neither (docs/architecture.md).
         """
         if self.done or self.state == S.STOPPING:
             return
@@ -268,7 +230,7 @@ class Supervisor:
         changed = changed_sections(self.cfg, new)
         old = self.cfg
         self.cfg = new
-        self.budget.reconfigure(new.restart.budget_failures, new.restart.budget_window)
+        self.crashes.reconfigure(new.restart)
         if self.run is not None:
             self.run.serving.hang.reconfigure(new.watch.hang_timeout, new.watch.poll_interval)
         self.log.info("reloaded", changed=",".join(changed) or "nothing",
@@ -292,35 +254,32 @@ class Supervisor:
             if self.done or self.state == S.STOPPING:
                 continue  # stopping anyway
             v = ExitVerdict(Cause.GPU_FATAL, report, retry=False)
-            if self.state == S.RESTARTING:
-                self.failure = v  # after_child_gone gives up with EX_GPU
-                if self.run is None:
-                    self.restart_at = None
-                    self.give_up(now, EX_GPU, f"{v.cause.value}: {v.detail}")
-            elif self.run is None:
-                self.give_up(now, EX_GPU, f"{v.cause.value}: {v.detail}")
-            else:
+            if self.run is not None and self.state in states.CHILD_STATES:
                 self.fail(now, v)
+                continue
+            self.failure = v  # a group still going: after_child_gone gives up with EX_GPU
+            if self.run is None:
+                self.restart_at = None
+                self.give_up(now, EX_GPU, f"{v.cause.value}: {v.detail}")
 
     def harvest(self, now: float) -> None:
         """The run's finished jobs, each to its ``on_<kind>`` (a gone run's are never read)."""
         run = self.run
         if run is None:
             return
-        for task, result in run.finished():
+        for task, result in run.finished(now):
             getattr(self, f"on_{task.kind}")(now, result, task.started)
 
     def reap(self, now: float) -> None:
         run = self.run
         if run is None or self.state not in states.CHILD_STATES:
             return
-        rc = run.exited()
-        if rc is None:
+        if (rc := run.exited()) is None:
             return
         self.emit(ChildExitSeen(rc))  # recovery: the timeline's fault mark
-        # No waiting on the pipes here: a surviving EngineCore holds them open.  The verdict
-        # is made again from the full tail once the group is gone (step_restarting).
-        verdict = self.port_verdict(now, run.exit_verdict())
+        # Judged again from the full tail once the group is gone (a surviving EngineCore
+        # holds the pipes open: no waiting for them here).
+        verdict = self.port.judge(now, self.cfg, run.exit_verdict())
         self.log.warning("child_exited", pid=run.child.pid, code=rc, cause=verdict.cause.value,
                          detail=verdict.detail)
         self.fail(now, verdict)
@@ -369,8 +328,12 @@ class Supervisor:
     # --- per-state steps -----------------------------------------------------------------
 
     def step_preflight(self, now: float) -> None:
-        if self.port_wait.holder and self.port_still_held(now):
-            return
+        if self.port.holder:
+            held = self.port.look_again(now, self.cfg, self.p.ports)
+            if isinstance(held, ExitVerdict):
+                self.fail(now, held)
+            if held is not False:
+                return
         chosen = self.p.gpu.launch(self.cfg)
         res = self.p.gpu.preflight(chosen)
         for w in res.warnings:
@@ -379,7 +342,8 @@ class Supervisor:
             self.give_up(now, EX_CONFIG, str(res.fatal))
             return
         if res.transient is not None:
-            if res.port_holder is not None and self.wait_for_port(now, res.port_holder):
+            if res.port_holder is not None and self.port.observe(now, self.cfg,
+                                                                 res.port_holder):
                 return
             self.fail(now, ExitVerdict(Cause.PREFLIGHT, res.transient, True))
             return
@@ -402,25 +366,11 @@ class Supervisor:
         self.transition(now, S.STARTING, "spawned")
 
     def step_starting(self, now: float) -> None:
+        """STARTING, LOADING, WARMING: the run's start, judged (first line, /health, timeouts)."""
         assert self.run is not None
-        if self.run.child.lines > 0:
-            self.transition(now, S.LOADING, "vLLM is loading")
-        else:
-            self.check_load_timeout(now)
+        self.act(now, self.run.start_step(now, self.state, self.cfg, self.p.ports))
 
-    def step_loading(self, now: float) -> None:
-        assert self.run is not None
-        if not self.check_load_timeout(now):
-            self.run.load_poll(now, self.cfg.watch.health_timeout, self.p.ports)
-
-    def check_load_timeout(self, now: float) -> bool:
-        assert self.run is not None
-        limit = self.cfg.watch.load_timeout
-        if now - self.run.spawned_at > limit:
-            self.fail(now, ExitVerdict(Cause.LOAD_TIMEOUT, f"/health not 200 within {limit:g}s "
-                                                           "(watch.load_timeout)", True))
-            return True
-        return False
+    step_loading = step_warming = step_starting
 
     def on_health(self, now: float, res: tuple[HealthResult, PortOwner | None],
                   started: float = 0.0) -> None:
@@ -437,13 +387,6 @@ class Supervisor:
                 self.become_ready(now, "warmup disabled")
                 return
             run.begin_warmup(now, self.p.warmup)
-
-    def step_warming(self, now: float) -> None:
-        w = self.cfg.warmup
-        limit = w.timeout + w.request_timeout
-        if self.run is not None and "warmup" in self.run.tasks \
-                and now - self.state_since > limit:
-            self.fail(now, ExitVerdict(Cause.WARMUP_FAILED, f"warmup overran {limit:g}s", True))
 
     def on_warmup(self, now: float, res: WarmupResult, started: float) -> None:
         if self.state != S.WARMING:
@@ -485,10 +428,9 @@ class Supervisor:
 
     def note_stable(self, now: float) -> None:
         """A run READY for restart.stable_after starts the backoff over."""
-        if self.consecutive and self.served_stably(now):
+        if self.crashes.consecutive and self.served_stably(now) and self.crashes.stable():
             assert self.ready_since is not None
             self.log.info("stable", seconds=round(now - self.ready_since), backoff_reset=True)
-            self.consecutive = 0
 
     def step_ready(self, now: float) -> None:
         assert self.run is not None
@@ -541,25 +483,14 @@ class Supervisor:
             if not self.gpu_released(now):
                 return
             self.restart_at = None
-            self.transition(now, S.PREFLIGHT, f"restart {self.restarts}")
+            self.transition(now, S.PREFLIGHT, f"restart {self.crashes.restarts}")
 
     def reclassify_exit(self, now: float, run: Run, tail: list[str]) -> None:
-        """The child's own exit, judged again now that its last lines are in (the tail)."""
+        """The failure judged again now that vLLM's last lines are in (the tail)."""
         if self.failure is None:
             return
-        if run.exit_rc is None and self.failure.cause is Cause.ENGINE_DEAD:
-            final = engine_dead_verdict(tail, self.failure.detail)
-            if final.cause is Cause.OOM:  # the engine's own OOM text came after its death line
-                self.log.warning("exit_classified", cause=final.cause.value,
-                                 detail=final.detail, was=self.failure.cause.value)
-                self.failure = final
-            return
-        # exit_rc is set only by reap, for an exit vLLM chose itself: a child we stopped has
-        # none, since reap does not run once we left the child's states.
-        if run.exit_rc is None \
-                or self.failure.cause in (Cause.GPU_FATAL, Cause.PORT_HELD, Cause.PREFLIGHT):
-            return  # judged already (a held port's wait must not be judged twice)
-        final = self.port_verdict(now, run.exit_verdict(tail))
+        final = run.final_verdict(self.failure, tail,
+                                  lambda v: self.port.judge(now, self.cfg, v))
         if final != self.failure:
             self.log.warning("exit_classified", cause=final.cause.value, detail=final.detail,
                              was=self.failure.cause.value)
@@ -568,12 +499,7 @@ class Supervisor:
     def after_child_gone(self, now: float, tail: list[str]) -> None:
         v = self.failure
         assert v is not None
-        counted = v.cause not in NOT_FAILURES
-        self.restarts += 1
-        self.history.append(RestartRecord(self.p.wall(), v.cause.value, v.detail, counted))
-        if counted:
-            self.budget.record(now)
-            self.consecutive += 1
+        counted = self.crashes.record(now, self.p.wall(), v)
         self.emit(Restarted(v.cause.value, counted))
         if not v.retry:
             code = EX_GPU if v.cause == Cause.GPU_FATAL else EX_CONFIG
@@ -581,26 +507,20 @@ class Supervisor:
             return
         if v.cause == Cause.OOM:
             self.step_down(v, tail)
-        if counted and self.budget.exhausted(now):
-            r = self.cfg.restart
-            self.give_up(now, EX_TEMPFAIL, f"crash loop: {self.budget.count(now)} failures in "
-                                           f"{r.budget_window:g}s (restart.budget_failures = "
-                                           f"{r.budget_failures}); last: {v.cause.value}: "
-                                           f"{v.detail}")
+        if counted and (spent := self.crashes.spent(now, self.cfg.restart, v)) is not None:
+            self.give_up(now, EX_TEMPFAIL, spent)
             return
-        delay = backoff_delay(self.consecutive, self.cfg.restart, self.p.rand) \
+        delay = backoff_delay(self.crashes.consecutive, self.cfg.restart, self.p.rand) \
             if counted and not self.after_stable else 0.0
         self.restart_at = now + delay
         self.log.warning("restart_scheduled", cause=v.cause.value, delay=round(delay, 2),
-                         restarts=self.restarts, failures_in_window=self.budget.count(now),
+                         restarts=self.crashes.restarts,
+                         failures_in_window=self.crashes.budget.count(now),
                          budget=self.cfg.restart.budget_failures)
 
     def step_down(self, v: ExitVerdict, tail: list[str]) -> None:
-        """OOM: one rung down the ladder for the next launch (the GPU part remembers it).
-
-        The ladder's own settings ([gpu] oom_ladder and its floors) are the current config's,
-        so a reload that changes them applies to the next OOM; the limits are the launch's.
-        """
+        """OOM: one rung down the ladder for the next launch (the GPU part remembers it).  The
+        ladder's own settings are the current config's (a reload applies to the next OOM)."""
         if not self.cfg.gpu.oom_ladder:
             self.log.error("oom_not_stepped_down", cause=v.detail,
                            reason="gpu.oom_ladder is off: the next launch uses the same "
@@ -656,15 +576,6 @@ class Supervisor:
             self.run = None
             self.finish_stop(now)
 
-    def on_drain(self, now: float, connections: int | None, started: float) -> None:
-        if self.run is not None and self.run.drain is not None:
-            self.run.drain.on_connections(now, connections)
-
-    def on_drain_gauges(self, now: float, gauges: tuple[float | None, float | None],
-                        started: float) -> None:
-        if self.run is not None and self.run.drain is not None:
-            self.run.drain.on_gauges(*gauges)
-
     def finish_stop(self, now: float) -> None:
         self.exit_code = EX_OK
         self.transition(now, S.STOPPED, "stopped")
@@ -672,10 +583,9 @@ class Supervisor:
     def step_stopped(self, now: float) -> None:
         pass
 
-    def step_failed(self, now: float) -> None:
-        pass
+    step_failed = step_stopped
 
-    # --- vLLM's port: ours, or held by someone else (issue 8.2, 8.4; instance.py) -----------
+    # --- vLLM's port: ours, or a stranger's (issue 8.2; portguard.py) --------------------------
 
     def stranger_on_port(self, owner: PortOwner | None = None) -> str | None:
         """Who listens on vLLM's port when it is not our child's group (None: ours, and the
@@ -685,54 +595,8 @@ class Supervisor:
             return None
         holder = run.stranger_on_port(self.p.ports, owner)
         if holder is None and run.child.poll() is None:
-            self.port_wait.reset()
+            self.port.ours()
         return holder
-
-    def wait_for_port(self, now: float, holder: str) -> bool:
-        """True while a held port is waited on (in PREFLIGHT, not a failure), bounded by
-        restart.port_wait; False once that is spent (the caller counts a failure)."""
-        v, limit = self.cfg.vllm, self.cfg.restart.port_wait
-        waited = round(self.port_wait.waited(now), 1)
-        wait, say = self.port_wait.observe(now, holder, limit, PORT_SAY_EVERY)
-        if say:
-            self.log.warning("port_busy", port=f"{v.host}:{v.port}", holder=holder,
-                             waited=waited, limit=limit)
-        if not wait:
-            self.log.error("port_wait_spent", port=f"{v.host}:{v.port}", holder=holder,
-                           waited=waited, limit=limit)
-        self.port_wait.next_check = now + PORT_RETRY
-        return wait
-
-    def port_still_held(self, now: float) -> bool:
-        """While waiting for the port: look again (cheaply, not the whole preflight).  True:
-        nothing more to do in this step (still waiting, or the wait is spent and counted)."""
-        if now < self.port_wait.next_check:
-            return True
-        v = self.cfg.vllm
-        holder = self.p.ports.holder(v.host, v.port)
-        if holder is None:
-            self.log.info("port_free", port=f"{v.host}:{v.port}",
-                          waited=round(self.port_wait.waited(now), 1))
-            self.port_wait.holder = ""
-            return False
-        if not self.wait_for_port(now, holder):
-            self.fail(now, ExitVerdict(Cause.PREFLIGHT, f"port {v.host}:{v.port} is in use by "
-                                                        f"{holder}", True))
-        return True
-
-    def port_verdict(self, now: float, verdict: ExitVerdict) -> ExitVerdict:
-        """vLLM died of a held port: waited on like a held port at preflight, until the wait is
-        spent; then it counts (so a port that looks free to us but not to vLLM cannot loop)."""
-        if verdict.cause != Cause.PORT_HELD:
-            return verdict
-        limit = self.cfg.restart.port_wait
-        if self.port_wait.spent(now, limit):
-            self.port_wait.reset()
-            return ExitVerdict(Cause.PREFLIGHT, f"{verdict.detail} (restart.port_wait = "
-                                                f"{limit:g}s spent)", True)
-        if self.port_wait.since is None:
-            self.port_wait.since = now
-        return verdict
 
     # --- failure ----------------------------------------------------------------------------
 
@@ -755,22 +619,10 @@ class Supervisor:
         if run is None:
             self.after_child_gone(now, [])
             return
-        run.cancel_tasks()
-        run.last_metrics = None
         if started and self.p.gpu.forget_kv(run.launch):
             self.log.warning("kv_budget_forgotten", reason="a start with the fixed KV budget "
                                                            "failed; the next one profiles again")
-        self.old_pids = [run.child.pid, *run.child.group_members()]
-        # A hung engine will not shut down politely: no term_timeout wait for it.
-        run.begin_kill(now, self.cfg.stop.term_timeout,
-                       hurry="hang: the engine makes no progress"
-                       if verdict.cause == Cause.HANG else None)
-        if run.child.poll() is not None and run.child.group_alive():
-            # The API server is gone: what is left of its group (the EngineCore) serves
-            # nobody, and vLLM's own shutdown force-kills it too ("Process manager: force
-            # killing remaining processes").  Its SIGTERM teardown took 1.3 s of an
-            # API-server kill's restart on the H200 (issue 10).
-            run.kill_group(now, "the API server is gone; its EngineCore serves nobody")
+        self.old_pids = run.abort(now, self.cfg.stop.term_timeout, verdict.cause is Cause.HANG)
 
     def give_up(self, now: float, code: int, why: str) -> None:
         self.exit_code = code
@@ -784,7 +636,7 @@ class Supervisor:
         states.check(src, dst)
         self.state, self.state_since, self.state_reason = dst, now, reason
         self.log.info("state_changed", **{"from": src.value}, to=dst.value, reason=reason,
-                      pid=self.child.pid if self.child else None, restarts=self.restarts,
+                      pid=self.child.pid if self.child else None, restarts=self.crashes.restarts,
                       **fields)
         self.emit(Transition(src, dst, reason))
 
@@ -802,15 +654,18 @@ class Supervisor:
 
     def status_line(self, now: float, note: str = "") -> str:
         """The one line systemctl status shows (STATUS=)."""
+        return statusline.render(self.facts(now), note)
+
+    def facts(self, now: float) -> statusline.Facts:
         run, c = self.run, self.cfg
-        return statusline.render(statusline.Facts(
+        return statusline.Facts(
             state=self.state, reason=self.state_reason, seconds=now - self.state_since,
-            vllm=self.launch_cfg.vllm, restarts=self.restarts, warmup=self.warmup,
+            vllm=self.launch_cfg.vllm, restarts=self.crashes.restarts, warmup=self.warmup,
             pid=run.child.pid if run else None,
             run_seconds=now - run.spawned_at if run else 0.0,
             warming=run.warmup_progress if run else "",
             restart_in=None if self.restart_at is None else self.restart_at - now,
             cause=self.failure.cause.value if self.failure else "?",
-            failures=self.budget.count(now), budget=c.restart.budget_failures,
+            failures=self.crashes.budget.count(now), budget=c.restart.budget_failures,
             stop_phase="stop" if run is None else "drain" if run.drain is not None else "term",
-            port=f"{c.vllm.host}:{c.vllm.port}", port_holder=self.port_wait.holder), note)
+            port=f"{c.vllm.host}:{c.vllm.port}", port_holder=self.port.holder)
