@@ -254,10 +254,11 @@ class VllmLauncher:
 
 
 def prepare_next(sup: Supervisor, pre: preimport.Preimport) -> Listener:
-    """At READY: the interpreter for the next start, with this child's command and env."""
+    """At each spawn: the interpreter for the next start, with this child's command and env,
+    so that it has finished importing by READY (issue 18.7: started at READY, it was still
+    importing for 14-20 s when a fault came soon after, and that relaunch waited for it)."""
     def on_event(event: Event) -> None:
-        if not (isinstance(event, Transition) and event.dst is State.READY
-                and event.src is State.WARMING):
+        if not (isinstance(event, Transition) and event.dst is State.STARTING):
             return
         if not sup.cfg.restart.preimport:
             pre.discard("restart.preimport is off")

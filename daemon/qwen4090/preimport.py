@@ -1,7 +1,8 @@
 """One pre-imported vLLM interpreter, kept ready for the next launch (``restart.preimport``).
 
-Owns the interpreter from its start (at READY: the next fault's relaunch needs it, and by
-then the running vLLM's own start no longer competes for the CPU) until it is handed over to
+Owns the interpreter from its start (at each spawn, beside the vLLM that is loading, so that
+it has finished importing by READY: started at READY, it was still importing 14-20 s later on
+the H200 and a fault soon after READY waited for it) until it is handed over to
 become the next vLLM child (``take``) or dropped (``discard``: the command or environment
 changed, the option was turned off, the daemon stops).  The interpreter runs
 preimport_main.py in vLLM's venv, in its own process group like every vLLM child, and holds

@@ -1,6 +1,6 @@
-"""restart.preimport on the real supervisor and the real CPU vLLM: the interpreter started at
-READY becomes the next vLLM after a fault, a new one is started at the next READY, and none is
-left behind at the stop."""
+"""restart.preimport on the real supervisor and the real CPU vLLM: the interpreter started beside
+a spawn (so that it has imported by READY, issue 18.7) becomes the next vLLM after a fault soon
+after READY, a new one is started at the relaunch, and none is left behind at the stop."""
 
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ def alive(pid: int) -> bool:
         return False
 
 
+def index(d: Daemon, name: str, after: int = 0) -> int:
+    """Where the first ``name`` event after ``after`` is in the daemon's log."""
+    return next(i for i, ev in enumerate(d.events) if i >= after and ev.get("event") == name)
+
+
 def test_the_next_vllm_starts_in_the_preimported_interpreter(tmp_path: Path) -> None:
     port, status_port = free_port(), free_port()
     cfg = write_toml(tmp_path / "q.toml", cpu_config(
@@ -48,6 +53,9 @@ def test_the_next_vllm_starts_in_the_preimported_interpreter(tmp_path: Path) -> 
         zygote = int(started["pid"])
         assert started["module"] == API_SERVER and zygote != d.last_child_pid()
         assert os.getpgid(zygote) == zygote  # its own group, like every vLLM child
+        # started beside the loading vLLM, not at READY (a fault soon after READY found it
+        # still importing for 14-20 s on the H200)
+        assert index(d, "preimport_started") < index(d, "ready_notified")
         assert d.wait_preimported(120) == zygote  # imported, waiting for vLLM's arguments
         # where a sysadmin looks: /status and /metrics of the status endpoint
         shown = json.loads(http_get(status_port, "/status")[1])["preimport"]
@@ -73,10 +81,12 @@ def test_the_next_vllm_starts_in_the_preimported_interpreter(tmp_path: Path) -> 
                first_output_after=second["at"]["first_output"])
         assert complete(port)["choices"][0]["text"] is not None
 
-        # the next READY keeps a new one ready
+        # the relaunch starts a new one beside it, before its READY
         again = d.wait_event("preimport_started", 30, after=mark)
         successor = int(again["pid"])
         assert successor not in (zygote, d.last_child_pid()) and alive(successor)
+        # (recovery_timeline is logged at the relaunch's READY)
+        assert index(d, "preimport_started", mark) < index(d, "recovery_timeline", mark)
 
         d.signal(signal.SIGTERM)
         assert d.wait_exit(60) == 0
