@@ -361,6 +361,13 @@ def tokens_moved(before: float | None, after: float | None) -> bool:
     return before is not None and after is not None and after > before
 
 
+def queued_behind_work(timed_out: bool, before: float | None, after: float | None) -> bool:
+    """A request of ours that only waited too long while the engine's progress counter moved
+    was queued behind other work: the engine is busy, not broken.  An error answer, or a
+    timeout with the counters flat or unreadable, is not that."""
+    return timed_out and tokens_moved(before, after)
+
+
 def canary_counts(ok: bool, timed_out: bool, before: float | None, after: float | None) -> bool:
     """Whether a canary result is a failure of vLLM.
 
@@ -370,4 +377,53 @@ def canary_counts(ok: bool, timed_out: bool, before: float | None, after: float 
     """
     if ok:
         return False
-    return not (timed_out and tokens_moved(before, after))
+    return not queued_behind_work(timed_out, before, after)
+
+
+# --- warmup under client load (issue 18.4) --------------------------------------------------
+
+
+def warmup_request_wait(request_timeout: float, left: float, hang_timeout: float,
+                        clients_queued: bool) -> float:
+    """How long one warmup request may wait.
+
+    With clients' requests already queued (a restart under load: they reach the new vLLM as
+    soon as it listens) a warmup request waits behind them, and waiting the whole
+    warmup.request_timeout (120 s) teaches nothing: after watch.hang_timeout -- the time the
+    serving watch gives a busy engine without progress -- either the tokens moved meanwhile
+    (busy: the warmup ends OK, ``queued_behind_work``) or they did not (hung: it fails).
+    """
+    wait = min(request_timeout, left)
+    return min(wait, hang_timeout) if clients_queued else wait
+
+
+def serving_clients(running: float, waiting: float, before: float | None, after: float | None
+                    ) -> bool:
+    """Between two warmup steps (none of our requests in flight): requests are in the engine,
+    so they are clients', and the progress counter moved since the last look."""
+    return running + waiting > 0 and tokens_moved(before, after)
+
+
+# --- hang_timeout against the longest engine step (issue 18.5) ------------------------------
+
+# One engine step (a prefill of max_num_batched_tokens tokens) moves no counter while it runs,
+# so a hang_timeout near it is a false hang on a busy engine (measured on the CPU: one
+# 1,500-token prefill ran > 4 s without a token; hang_timeout 4 s restarted it).  3x leaves room
+# for the step's variance under load (longer contexts attend to more, the batch adds decodes)
+# and for the poll that has to see the counter move: a counter flat for 3 steps is not a step.
+SAFE_STEP_MULTIPLE = 3.0
+
+
+def hang_timeout_risk(hang_timeout: float, longest_step: float | None) -> str | None:
+    """The warning when watch.hang_timeout is below SAFE_STEP_MULTIPLE x the longest engine
+    step measured (None: no measurement, or safe): one line naming key, value and fix."""
+    if longest_step is None or longest_step <= 0:
+        return None
+    safe = SAFE_STEP_MULTIPLE * longest_step
+    if hang_timeout >= safe:
+        return None
+    return (f"watch.hang_timeout = {hang_timeout:g} is below {SAFE_STEP_MULTIPLE:g} x the "
+            f"longest engine step measured by the warmup ({longest_step:.2f}s, a prefill of "
+            f"max_num_batched_tokens): one long prefill on a busy engine can look like a hang "
+            f"and restart it; raise hang_timeout to at least {safe:.1f} (or lower "
+            f"vllm.max_num_batched_tokens)")

@@ -17,10 +17,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qwen4090 import configrisk
+from qwen4090 import configrisk, steptime
 from qwen4090.child import api_key_path
 from qwen4090.config import Config, ConfigError, read_secret
 from qwen4090.instance import port_holders, try_bind
+from qwen4090.policy import hang_timeout_risk
 from qwen4090.runtime import version_warning
 
 
@@ -156,6 +157,14 @@ def check_config_warnings(cfg: Config, res: PreflightResult) -> None:
     res.warnings += configrisk.config_warnings(cfg)
 
 
+def check_hang_timeout(cfg: Config, res: PreflightResult) -> None:
+    """watch.hang_timeout against the longest engine step the last warmup measured with these
+    settings (steptime.py, in the state directory; none measured: nothing to say)."""
+    risk = hang_timeout_risk(cfg.watch.hang_timeout, steptime.StepStore.of(cfg).measured(cfg))
+    if risk is not None:
+        res.warnings.append(risk)
+
+
 def check_service_user(cfg: Config, res: PreflightResult, user: str | None = None) -> None:
     """Run as root (``sudo qwen4090 check-config``): what the service user cannot read is an
     error, though root can (issue 19.4).  Skipped for other users and without that user.
@@ -197,7 +206,8 @@ def run_checks(cfg: Config, checks: Sequence[Check]) -> PreflightResult:
 
 def static(cfg: Config) -> PreflightResult:
     """What check-config verifies beyond syntax: files and commands, no port, no GPU."""
-    return run_checks(cfg, [*STATIC_CHECKS, check_hosts_strict, check_service_user])
+    return run_checks(cfg, [*STATIC_CHECKS, check_hosts_strict, check_hang_timeout,
+                            check_service_user])
 
 
 def full(cfg: Config, extra: Sequence[Check] = ()) -> PreflightResult:

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from qwen4090 import vllmfacts
+from qwen4090 import steptime, vllmfacts, warmup
 from qwen4090.config import Config, WatchConfig
 from qwen4090.contracts import (
     ChildLike,
@@ -33,6 +33,7 @@ from qwen4090.contracts import (
     PortOwner,
     PortsLike,
     ProbeLike,
+    WarmupResult,
 )
 from qwen4090.events import HangSeen
 from qwen4090.judges import Drain, KillSchedule, ServingSchedule
@@ -44,6 +45,7 @@ from qwen4090.policy import (
     canary_counts,
     classify_exit,
     engine_dead_verdict,
+    hang_timeout_risk,
 )
 from qwen4090.redact import safe_error
 from qwen4090.states import State
@@ -134,6 +136,7 @@ class Run:
         self.exit_rc: int | None = None  # its own exit (None: alive, or ended by us)
         self.exit_oom: str | None = None  # the kernel's word on an OOM kill of that exit
         self.stranger_said = False  # port_answered_by_stranger was logged
+        self.longest_step: float | None = None  # seconds: the warmup's (steptime.py)
 
     @property
     def config(self) -> Config:
@@ -193,7 +196,8 @@ class Run:
         warmup's result; each bounded (watch.load_timeout, warmup.timeout + request_timeout)."""
         w = cfg.watch
         if state is State.WARMING:
-            limit = cfg.warmup.timeout + cfg.warmup.request_timeout
+            # the warmup's own bound: one that is still making progress has returned by then
+            limit = warmup.bound(cfg)
             if "warmup" in self.tasks and now - self.warmup_started > limit:
                 return [Fail(ExitVerdict(Cause.WARMUP_FAILED, f"warmup overran {limit:g}s",
                                          True))]
@@ -221,6 +225,45 @@ class Run:
             self.last_warmup_step = self.clock()
 
         self.submit(now, "warmup", lambda: warmup(cfg, probe, progress))
+
+    def warmed(self, res: WarmupResult, cfg: Config) -> ExitVerdict | None:
+        """The warmup's result, said in the journal: a failure's verdict, or None (READY).
+        The longest engine step it measured is kept in the state directory (steptime.py) and
+        held against watch.hang_timeout; a warmup cut short by clients' requests is an OK
+        one (issue 18.4), said with why."""
+        if not res.ok:
+            self.log.error("warmup_failed", error=res.error, seconds=round(res.seconds, 1))
+            return ExitVerdict(Cause.WARMUP_FAILED, res.error, True)
+        if res.cut_short:
+            self.log.warning("warmup_cut_short", reason=res.cut_short,
+                             steps_skipped=sum("cut short" in s for s in res.skipped))
+        step = res.longest_step
+        self.log.info("warmup_finished", seconds=round(res.seconds, 2), table=res.table(),
+                      skipped="; ".join(res.skipped) or "none",
+                      longest_step_seconds=round(step[0], 3) if step else None,
+                      longest_step_tokens=step[1] if step else None)
+        if step is not None:
+            self.longest_step = step[0]
+            steptime.StepStore.of(cfg, self.log).record(cfg, *step)
+        self.check_hang_timeout(cfg)
+        return None
+
+    def check_hang_timeout(self, cfg: Config) -> None:
+        """Warn when watch.hang_timeout is below a safe multiple of the longest engine step
+        (this run's warmup measured it, else the last one on disk for these settings)."""
+        step = self.longest_step
+        if step is None:
+            step = steptime.StepStore.of(cfg, self.log).measured(cfg)
+        if (risk := hang_timeout_risk(cfg.watch.hang_timeout, step)) is not None:
+            self.log.warning("hang_timeout_too_short", hang_timeout=cfg.watch.hang_timeout,
+                             longest_step_seconds=round(step or 0.0, 3), detail=risk)
+
+    def reconfigure(self, cfg: Config, watch_changed: bool) -> None:
+        """A reload: the hang detector takes the new [watch] (the stall being timed goes on),
+        held against the longest step when [watch] changed."""
+        self.serving.hang.reconfigure(cfg.watch.hang_timeout, cfg.watch.poll_interval)
+        if watch_changed:
+            self.check_hang_timeout(cfg)
 
     def became_ready(self, now: float) -> None:
         self.serving.last_poll = now

@@ -232,7 +232,7 @@ class Supervisor:
         self.cfg = new
         self.crashes.reconfigure(new.restart)
         if self.run is not None:
-            self.run.serving.hang.reconfigure(new.watch.hang_timeout, new.watch.poll_interval)
+            self.run.reconfigure(new, "watch" in changed)
         self.log.info("reloaded", changed=",".join(changed) or "nothing",
                       files=",".join(new.sources))
         self.emit(Reloaded(tuple(changed)))
@@ -392,12 +392,10 @@ class Supervisor:
         if self.state != S.WARMING:
             return
         self.warmup = res
-        if not res.ok:
-            self.log.error("warmup_failed", error=res.error, seconds=round(res.seconds, 1))
-            self.fail(now, ExitVerdict(Cause.WARMUP_FAILED, res.error, True))
+        assert self.run is not None
+        if (failed := self.run.warmed(res, self.cfg)) is not None:
+            self.fail(now, failed)
             return
-        self.log.info("warmup_finished", seconds=round(res.seconds, 2), table=res.table(),
-                      skipped="; ".join(res.skipped) or "none")
         self.emit(WarmedUp(res.seconds, tuple(res.rows)))
         self.become_ready(now, "warmed up")
 

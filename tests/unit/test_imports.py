@@ -40,8 +40,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "engine": ("child", "warmup", "timeline", "preimport", "readahead", "caches"),
     # what vLLM is launched with, and where: the plan, what earlier starts taught, the runtime
     # venv, the checks before a launch, the instance (its lock, its child record, its port)
-    "launch": ("launch", "plan", "learned", "kvbudget", "ladder", "runtime", "preflight",
-               "configrisk", "instance"),
+    "launch": ("launch", "plan", "learned", "kvbudget", "steptime", "ladder", "runtime",
+               "preflight", "configrisk", "instance"),
     # the typed GPU part: launch, preflight, step-down and the watch, over one door
     "gpu": ("gpu", "xid"),
     # the daemon: the supervisor, its contracts and one vLLM run, the signals, the status

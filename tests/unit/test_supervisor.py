@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import pytest
 from tests.support.fakes import CheckedGpu, Clock, FakeChild, FakeProbe, Inline, Log, Notifier
 
+from qwen4090 import steptime
+from qwen4090 import warmup as warmup_mod
 from qwen4090.config import Config, ConfigError, from_dict
 from qwen4090.contracts import Launch, Parts
 from qwen4090.policy import Cause, ExitVerdict
@@ -854,3 +858,86 @@ def test_stale_good_health_with_overdue_metrics_is_no_recovery_and_the_window_ru
     h.run_until(State.RESTARTING, dt=0.25, limit=100)
     assert ("degraded", "ready") not in h.transitions()
     assert h.clock.t - stopped <= 3.0 + 1.0 + 0.5
+
+
+# --- issue 18.4/18.5: a warmup cut short by clients, the longest step (test_busy_start.py) --
+
+
+def measured(seconds: float, cut_short: str = "") -> Any:
+    def warm(c: Config, probe: Any, progress: Any) -> WarmupResult:
+        progress("2044 tokens x1")
+        return WarmupResult(True, [WarmupRow(2044, 1, seconds * 1000, seconds * 1000, 0.1)],
+                            0.5, cut_short=cut_short,
+                            longest_step=None if cut_short else (seconds, 2044))
+    return warm
+
+
+def test_a_warmup_cut_short_by_clients_is_ready_and_said(tmp_path: Path) -> None:
+    h = Harness({"gpu": {"state_directory": str(tmp_path)}},
+                warmup=measured(0.1, "engine busy with client requests: 500 tokens generated "
+                                     "meanwhile (8 running, 24 waiting)"))
+    h.run_until(State.READY)
+    cut = h.log.named("warmup_cut_short")
+    assert len(cut) == 1 and cut[0]["reason"].startswith("engine busy with client requests")
+    assert h.sup.crashes.restarts == 0 and "READY=1" in h.notifier.sent
+    assert not (tmp_path / steptime.FILE_NAME).exists()  # nothing measured: nothing written
+
+
+def test_the_longest_step_is_logged_stored_and_held_against_hang_timeout(
+        tmp_path: Path) -> None:
+    h = Harness({"gpu": {"state_directory": str(tmp_path)}}, warmup=measured(5.0))
+    h.run_until(State.READY)
+    (fin,) = h.log.named("warmup_finished")
+    assert fin["longest_step_seconds"] == 5.0 and fin["longest_step_tokens"] == 2044
+    assert json.loads((tmp_path / steptime.FILE_NAME).read_text())["seconds"] == 5.0
+    (warn,) = h.log.named("hang_timeout_too_short")  # hang_timeout 10 < 3 x 5
+    assert warn["hang_timeout"] == 10.0 and warn["longest_step_seconds"] == 5.0
+    assert "raise hang_timeout to at least 15.0" in warn["detail"]
+    # a reload that changes [watch] is held against it too
+    base = h.cfg
+    for hang, warned in ((20.0, 1), (12.0, 2)):
+        h.reload_to = from_dict({"watch": {**_watch(base), "hang_timeout": hang},
+                                 "restart": _restart(base), "stop": _stop(base),
+                                 "gpu": {"state_directory": str(tmp_path)}})
+        h.sup.deliver(signal.SIGHUP)
+        h.step(0.1)
+        assert len(h.log.named("hang_timeout_too_short")) == warned
+    assert h.sup.state is State.READY and h.run.serving.hang.hang_timeout == 12.0
+
+
+def test_a_step_well_within_hang_timeout_is_quiet(tmp_path: Path) -> None:
+    h = Harness({"gpu": {"state_directory": str(tmp_path)}}, warmup=measured(0.5))
+    h.run_until(State.READY)
+    assert h.log.named("hang_timeout_too_short") == []
+
+
+def test_the_warming_limit_does_not_fail_a_warmup_within_its_own_bound() -> None:
+    h = Harness({"warmup": {"timeout": 30.0, "request_timeout": 10.0}})
+    # the warmup's job stays in flight: a warmup that has not returned yet
+    h.executor.hold = lambda fn: "begin_warmup" in getattr(fn, "__qualname__", "")
+    h.run_until(State.WARMING)
+    assert "warmup" in h.run.tasks
+    limit = warmup_mod.bound(h.cfg)
+    assert limit > 30.0 + 10.0  # request_timeout + its slack: the warmup's last step
+    h.step(30.0 + 10.0 + warmup_mod.JOIN_GRACE)  # past the old limit, within the bound
+    assert h.sup.state is State.WARMING
+    h.step(limit)
+    assert h.sup.state is State.RESTARTING and "warmup overran" in h.failure.detail
+
+
+def _watch(c: Config) -> dict[str, Any]:
+    w = c.watch
+    return {"poll_interval": w.poll_interval, "canary_interval": w.canary_interval,
+            "canary_timeout": w.canary_timeout, "load_timeout": w.load_timeout,
+            "unhealthy_timeout": w.unhealthy_timeout}
+
+
+def _restart(c: Config) -> dict[str, Any]:
+    r = c.restart
+    return {"backoff_initial": r.backoff_initial, "backoff_max": r.backoff_max,
+            "jitter": r.jitter, "budget_failures": r.budget_failures,
+            "budget_window": r.budget_window}
+
+
+def _stop(c: Config) -> dict[str, Any]:
+    return {"drain_timeout": c.stop.drain_timeout, "term_timeout": c.stop.term_timeout}
