@@ -213,6 +213,8 @@ def test_an_orphan_whose_exit_comes_late_is_reaped(daemon: Daemon) -> None:
     reaped = daemon.wait_event("orphan_reaped", 10, after=mark, pid=engine.pid)
     assert reaped["code"] == -signal.SIGKILL, reaped
     daemon.wait_state("ready", START_TIMEOUT, after=mark)
+    daemon.wait_for(lambda: daemon.statuses()[-1].startswith("ready: tiny"), 10,
+                    "STATUS=ready after the restart")
 
 
 def test_sigterm_with_streams_outliving_a_short_drain_ends_at_the_deadline(
