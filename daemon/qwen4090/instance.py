@@ -7,7 +7,9 @@ Owns four things, each the answer to "is this vLLM ours?":
   A second ``run`` for the same port exits at once with 78 (EX_CONFIG), not 75: two
   supervisors for one port is a configuration conflict that no retry can fix, and 78 is what
   the units' ``RestartPreventExitStatus=78`` keeps systemd from retrying.  The lock fd is
-  close-on-exec, so an orphaned vLLM never holds it.
+  close-on-exec, so an orphaned vLLM never holds it.  The pid written into the file only
+  names the holder (a newcomer also finds it in /proc/locks): a disk that refuses it (full,
+  read-only, not ours: issue 18.1) is a ``state_not_saved`` warning, never a failed start.
 - **The child record** (issue 8.5): pid, pgid, start time and command line of our vLLM group,
   written atomically next to the lock after each spawn and refreshed when the group grows.
   Outside systemd (no KillMode), a supervisor killed by SIGKILL leaves its vLLM serving; the
