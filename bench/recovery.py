@@ -10,7 +10,8 @@ Where the daemon logs ``startup_timeline`` / ``recovery_timeline`` (timeline.py)
 printed too (vLLM's own phases: imports, engine up, weights, compile, KV, graphs).
 
 Scenarios: ``cold`` (first start, empty VLLM_CACHE_ROOT), ``warm`` (a second daemon on the
-cache the cold one filled), ``kill-engine`` (SIGKILL of the EngineCore), ``kill-api`` (SIGKILL
+cache the cold one filled), ``kill-engine`` (SIGKILL of the EngineCore, once the pre-imported
+interpreter has imported), ``kill-engine-at-ready`` (the same, at READY: issue 18.7), ``kill-api`` (SIGKILL
 of the API server), ``hang`` (SIGSTOP of the EngineCore while requests stream), ``serve`` (a
 start, then output tokens/s at 32 concurrent 512-in/256-out completions: for the env toggles).
 
@@ -216,10 +217,17 @@ def run_scenario(name: str, cfg: dict[str, dict[str, Any]], tmp: Path, cache: Pa
             return res
         # a fault after the pre-imported interpreter's imports are done (on by default: a
         # fault 2 s after READY finds it still importing, and the start waits for it; fifth-c)
-        if cfg.get("restart", {}).get("preimport", RestartConfig().preimport):
+        # (kill-engine-at-ready: the fault comes at READY; the interpreter is started beside
+        # the spawn since issue 18.7, so it should have imported by then)
+        if cfg.get("restart", {}).get("preimport", RestartConfig().preimport) \
+                and name != "kill-engine-at-ready":
             t_pre = time.monotonic()
             res["preimport_pid"] = d.wait_preimported(300)
             res["preimport_wait"] = round(time.monotonic() - t_pre, 2)
+        elif name == "kill-engine-at-ready":
+            started = d.event("preimport_started")
+            res["preimport_imported_at_ready"] = started is not None \
+                and daemon_mod.reading_stdin(int(started["pid"]))
         mark = d.mark()
         if name == "hang":
             load = Load(port, str(cfg["vllm"]["served_model_name"]))
@@ -231,7 +239,7 @@ def run_scenario(name: str, cfg: dict[str, dict[str, Any]], tmp: Path, cache: Pa
             victim = d.engine_core()
             t0 = time.monotonic()
             victim.send_signal(signal.SIGSTOP)
-        elif name == "kill-engine":
+        elif name in ("kill-engine", "kill-engine-at-ready"):
             victim = d.engine_core()
             t0 = time.monotonic()
             victim.send_signal(signal.SIGKILL)
