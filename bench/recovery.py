@@ -11,9 +11,10 @@ printed too (vLLM's own phases: imports, engine up, weights, compile, KV, graphs
 
 Scenarios: ``cold`` (first start, empty VLLM_CACHE_ROOT), ``warm`` (a second daemon on the
 cache the cold one filled), ``kill-engine`` (SIGKILL of the EngineCore, once the pre-imported
-interpreter has imported), ``kill-engine-at-ready`` (the same, at READY: issue 18.7), ``kill-api`` (SIGKILL
-of the API server), ``hang`` (SIGSTOP of the EngineCore while requests stream), ``serve`` (a
-start, then output tokens/s at 32 concurrent 512-in/256-out completions: for the env toggles).
+interpreter has imported), ``kill-engine-at-ready`` (the same, at READY: issue 18.7),
+``kill-api`` (SIGKILL of the API server), ``hang`` (SIGSTOP of the EngineCore while requests
+stream), ``serve`` (a start, then output tokens/s at 32 concurrent 512-in/256-out completions:
+for the env toggles).
 
 CPU (here, under the shared lock):
     flock /tmp/qwen4090-vllm.lock .venv/bin/python bench/recovery.py --base cpu \
