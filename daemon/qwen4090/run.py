@@ -111,9 +111,11 @@ class Run:
     def __init__(self, child: ChildLike, probe: ProbeLike, launch: Launch, now: float,
                  watch: WatchConfig, log: LogLike, submit: Callable[[Callable[[], Any]],
                                                                     Future[Any]],
-                 clock: Callable[[], float]) -> None:
-        """``submit`` runs a job off the loop (the supervisor's executor)."""
+                 clock: Callable[[], float], warnings: int = 0) -> None:
+        """``submit`` runs a job off the loop (the supervisor's executor); ``warnings``: how
+        many warnings its preflight logged (STATUS= says so while it runs)."""
         self.child = child
+        self.warnings = warnings
         self.probe = probe
         self.launch = launch
         self.spawned_at = now

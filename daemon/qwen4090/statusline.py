@@ -30,11 +30,15 @@ class Facts:
     stop_phase: str  # drain, term or stop
     port: str  # vLLM's host:port
     port_holder: str  # who holds it while preflight waits ("" = not waiting)
+    warnings: int = 0  # logged by the running vLLM's preflight (risky settings, the plan)
 
 
 def render(f: Facts, note: str = "") -> str:
     v, s = f.vllm, f.state
     tail = f", restarts={f.restarts}"
+    if f.warnings:  # legal but risky settings, said where a sysadmin looks first (issue 18.8)
+        tail += f", {f.warnings} warning{'s' if f.warnings > 1 else ''} at start " \
+                "(journalctl -p warning)"
     if s in SERVING_STATES:
         ttft = ""
         if f.warmup and f.warmup.ok:

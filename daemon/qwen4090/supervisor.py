@@ -359,7 +359,8 @@ class Supervisor:
             self.give_up(now, EX_CONFIG, str(err))
             return
         self.run = Run(child, self.p.make_probe(chosen.config), chosen, now, self.cfg.watch,
-                       self.log, lambda fn: self.p.executor.submit(fn), self.p.clock)
+                       self.log, lambda fn: self.p.executor.submit(fn), self.p.clock,
+                       warnings=len(res.warnings))
         self.launch = chosen
         self.failure = None
         self.log.info("child_spawned", pid=child.pid, argv=" ".join(chosen.argv))
@@ -666,4 +667,5 @@ class Supervisor:
             cause=self.failure.cause.value if self.failure else "?",
             failures=self.crashes.budget.count(now), budget=c.restart.budget_failures,
             stop_phase="stop" if run is None else "drain" if run.drain is not None else "term",
-            port=f"{c.vllm.host}:{c.vllm.port}", port_holder=self.port.holder)
+            port=f"{c.vllm.host}:{c.vllm.port}", port_holder=self.port.holder,
+            warnings=run.warnings if run else 0)

@@ -941,3 +941,17 @@ def _restart(c: Config) -> dict[str, Any]:
 
 def _stop(c: Config) -> dict[str, Any]:
     return {"drain_timeout": c.stop.drain_timeout, "term_timeout": c.stop.term_timeout}
+
+
+def test_status_says_how_many_warnings_the_start_logged() -> None:
+    """Issue 18.8: risky settings are warned in the journal and in STATUS= at start, where
+    `systemctl status` shows them."""
+    risky = "status.host = \"0.0.0.0\": the status endpoint answers on every interface"
+    h = Harness(preflight=lambda c: PreflightResult(warnings=[risky]))
+    h.run_until(State.READY)
+    assert [kw["detail"] for kw in h.log.named("preflight_warning")] == [risky]
+    ready = h.notifier.sent[h.notifier.sent.index("READY=1") + 1]
+    assert ready.startswith("STATUS=ready: ") and "1 warning at start" in ready
+    quiet = Harness()
+    quiet.run_until(State.READY)
+    assert not any("warning" in m for m in quiet.notifier.sent)
