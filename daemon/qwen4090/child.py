@@ -190,8 +190,8 @@ class VllmChild:
         OWN.add(self.proc)  # its exit status is ours to poll, never reap_adopted's
         self.pid = self.proc.pid
         self.pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
-        # hook (H4 pkg, issue 9 item 8): vLLM more killable than the supervisor; a failure
-        # leaves the inherited value (the OOM kill then picks by size, vLLM still first).
+        # vLLM more killable than the supervisor (issue 9.8); a failure leaves the inherited
+        # value (the OOM killer then picks by size, vLLM still first).
         oomscore.raise_for(self.pid)
         self.oom_kills_at_start = oom_kill_count()
         self._readers = [

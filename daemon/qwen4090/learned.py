@@ -37,7 +37,7 @@ def state_dir(cfg: Config, env: Mapping[str, str] | None = None) -> Path:
         return Path(cfg.gpu.state_directory)
     # qwen4090@NAME reads /etc/qwen4090/instances/NAME.toml and has StateDirectory=qwen4090/NAME:
     # derived from the config file, so `plan -c`/`reset-learned -c` from a shell (no
-    # $STATE_DIRECTORY) read the same learned.json as the instance's daemon (H4 pkg, issue 9).
+    # $STATE_DIRECTORY) read the same learned.json as the instance's daemon (issue 9).
     main = Path(cfg.sources[0]) if cfg.sources else None
     if main is not None and main.parent.name == INSTANCES_DIR_NAME and main.suffix == ".toml":
         return Path(DEFAULT_STATE_DIR) / main.stem

@@ -85,12 +85,11 @@ def classify_exit(returncode: int, tail: Iterable[str], requested: Cause | None 
     if requested is not None:
         return ExitVerdict(requested, f"stopped by qwen4090 ({_status(returncode)})",
                            retry=True)
-    # --- issue 8.4 (owner): vLLM binds early, listens late: a stranger can take the port
-    # in between and vLLM then dies of it after loading.  Not a crash of vLLM.
+    # vLLM binds early and listens late: a stranger can take the port in between, and vLLM
+    # then dies of it after loading.  Not a crash of vLLM (issue 8.4).
     for line in lines[-_PORT_LINES:]:
         if vf.PORT_IN_USE.search(line):
             return ExitVerdict(Cause.PORT_HELD, _clip(line), retry=True)
-    # --- end 8.4
     for line in reversed(lines):
         if vf.oom_kind(line) is not None:  # the table ladder.read_oom reads too
             return ExitVerdict(Cause.OOM, _clip(line), retry=True)

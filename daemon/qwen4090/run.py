@@ -272,7 +272,7 @@ class Run:
         self.serving.last_canary = now
         self.serving.unhealthy_since = None
 
-    # --- vLLM's port: ours, or held by someone else (issue 8.2; instance.py) -----------------
+    # --- vLLM's port: ours, or a stranger's (issue 8.2) ---------------------------------------
 
     def owner_check(self, ports: PortsLike) -> Callable[[], PortOwner]:
         """Who listens on vLLM's port, for a probe job to find out on its own thread: under
