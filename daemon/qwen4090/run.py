@@ -7,9 +7,9 @@ schedule; policy.HangDetector).  supervisord makes the same split between its lo
 machine per process.
 
 The Run sends its own signals and starts its own probe jobs, and turns their results into
-verdicts; it never changes the daemon's state.  The supervisor asks it (``on_poll``,
-``check_canary``, ``reap_group``...) and acts on the verdicts: a :class:`Move` between READY and
-DEGRADED, or an ``ExitVerdict`` that fails the run.  Serving two engines under one supervisor
+verdicts; it never changes the daemon's state.  The supervisor asks it (``start_step``,
+``watch``, ``on_poll``, ``on_canary``, ``reap_group``...) and acts on the verdicts: a
+:class:`Move` between states, or a :class:`Fail` (an ``ExitVerdict``) that fails the run.  Serving two engines under one supervisor
 would be a list of Runs, each with its own role (docs/architecture.md).
 """
 
