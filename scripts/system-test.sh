@@ -66,7 +66,7 @@ dpkg-deb -x "$DEB" "$V"
 cp -an /usr/lib/systemd/system/. "$V/lib/systemd/system/"   # sysinit.target etc. resolve
 mkdir -p "$V/bin" && cp /bin/kill "$V/bin/"                  # procps is a Depends
 cp "$V/lib/systemd/system/qwen4090@.service" "$V/lib/systemd/system/qwen4090@gpu0.service"
-for unit in qwen4090.service qwen4090@gpu0.service; do
+for unit in qwen4090.service qwen4090@gpu0.service qwen4090-nvidia-nodes.service; do
     # MANPATH: Documentation=man:... is checked against the package's own pages.
     out=$(MANPATH="$V/usr/share/man" timeout 60 systemd-analyze verify --root="$V" \
           "/lib/systemd/system/$unit" 2>&1) || die "verify $unit failed: $out"

@@ -132,6 +132,10 @@ check "the install did not enable the unit ($(systemctl is-enabled qwen4090))" \
     test "$(systemctl is-enabled qwen4090)" = disabled
 check "the install did not start it (runtime and model come later)" \
     test "$(systemctl is-active qwen4090)" = inactive
+# The oneshot that makes NVIDIA device nodes (issue 19.2): no [Install], pulled in by the units.
+N=qwen4090-nvidia-nodes.service
+check "$N installed, static: never enabled itself, the units want it ($(systemctl is-enabled $N 2>&1))" \
+    test "$(systemctl is-enabled $N 2>&1)" = static
 # What a boot does: start the default target and everything it wants.
 timeout 120 systemctl start default.target
 failed_units() { systemctl list-units --state=failed --plain --no-legend 'qwen4090*' | cut -d' ' -f1 | tr '\n' ' '; }
@@ -179,6 +183,9 @@ refused "default config, model not fetched yet" \
 sleep 12
 check "still failed 12 s later, NRestarts=$(prop NRestarts) (RestartPreventExitStatus=78)" \
     test "$(prop SubState)/$(prop NRestarts)" = "failed/0"
+nodes="$(uprop $N ActiveState)/$(uprop $N Result)/$(uprop $N ConditionResult)"
+check "the start pulled in $N, which without an NVIDIA driver was skipped, not failed (ActiveState/Result/ConditionResult $nodes, condition checked at $(uprop $N ConditionTimestampMonotonic))" \
+    test "$nodes" = inactive/success/no -a "$(uprop $N ConditionTimestampMonotonic)" -gt 0
 mv /etc/qwen4090/qwen4090.toml /etc/qwen4090/qwen4090.toml.away
 refused "missing config" /etc/qwen4090/qwen4090.toml "file not found"
 mv /etc/qwen4090/qwen4090.toml.away /etc/qwen4090/qwen4090.toml
@@ -240,6 +247,60 @@ rm -f /etc/qwen4090/conf.d/90-bad.toml /etc/qwen4090/api_key
 rm -rf /srv/private-model
 check "check-config as $U passes with the CI drop-in" sh -c "runuser -u $U -- qwen4090 check-config >/tmp/check-config.out"
 systemctl reset-failed qwen4090
+
+echo "== NVIDIA device nodes: made by $N as root, outside the units' device cgroup (issue 19.2)"
+# The guest has no GPU: a fake driver for the helper (QWEN4090_PROC, a /proc with the driver's
+# files; the condition pointed at it by a drop-in) and a stand-in nvidia-modprobe on PATH that
+# records how it was run. An ExecStartPre=+ of the DevicePolicy=closed unit ran in that unit's
+# cgroup, whose device filter "+" does not lift (systemd issue 26035): mknod of the nvidia
+# majors was denied there. Here the helper must run in $N's own cgroup, with no device policy,
+# and be done before the instance that wanted it starts.
+FAKE=/run/qwen4090-fake-proc
+mkdir -p "$FAKE/driver/nvidia/gpus/0000:18:00.0"
+echo "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.00 (fake)" >"$FAKE/driver/nvidia/version"
+printf 'Model: \t\t fake\nDevice Minor: \t 0\n' >"$FAKE/driver/nvidia/gpus/0000:18:00.0/information"
+printf 'Character devices:\n195 nvidia\n195 nvidiactl\n238 nvidia-uvm\n\nBlock devices:\n' >"$FAKE/devices"
+cat >/usr/local/bin/nvidia-modprobe <<'SH'
+#!/bin/sh
+{ echo "args: $*"; echo "uid: $(id -u)"; cat /proc/self/cgroup; } >>/run/qwen4090-nvidia-modprobe.log
+SH
+chmod 755 /usr/local/bin/nvidia-modprobe
+mkdir -p "/etc/systemd/system/$N.d"
+cat >"/etc/systemd/system/$N.d/fake-driver.conf" <<EOF
+[Unit]
+ConditionPathExists=
+ConditionPathExists=$FAKE/driver/nvidia/version
+[Service]
+Environment=QWEN4090_PROC=$FAKE
+EOF
+rm -f /run/qwen4090-nvidia-modprobe.log /dev/nvidia-uvm /dev/nvidia-uvm-tools /dev/nvidiactl /dev/nvidia0
+systemctl daemon-reload
+timeout 60 systemctl start qwen4090@nodes 2>/dev/null   # no instance config: refused (78), fine
+rec=$(cat /run/qwen4090-nvidia-modprobe.log 2>/dev/null)
+check "starting qwen4090@nodes ran $N: nvidia-modprobe -u -c=0 as root ($(echo "$rec" | head -n2 | tr '\n' ' '))" \
+    has "$rec" "args: -u -c=0" "uid: 0"
+note "nvidia-modprobe's cgroups: $(echo "$rec" | grep -v -e '^args:' -e '^uid:' | tr '\n' ' ')"
+check "... in $N's own cgroup, not in qwen4090@nodes.service's" \
+    sh -c 'printf "%s\n" "$1" | grep -q "/$2\$" && ! printf "%s\n" "$1" | grep -q "qwen4090@"' - "$rec" "$N"
+pol="$(uprop $N DevicePolicy)/$(uprop $N DeviceAllow)|$(uprop qwen4090@nodes.service DevicePolicy)"
+check "... which has no device policy, while the instance's is closed ($pol)" test "$pol" = "auto/|closed"
+nodes_done=$(uprop $N ExecMainExitTimestampMonotonic)
+inst_began=$(uprop qwen4090@nodes.service InactiveExitTimestampMonotonic)
+check "... and finished before the instance began to start ($nodes_done <= $inst_began)" \
+    test "$nodes_done" -gt 0 -a "$nodes_done" -le "$inst_began"
+dn="$(stat -c '%F %t:%T' /dev/nvidia-uvm 2>&1)|$(stat -c '%t:%T' /dev/nvidia-uvm-tools /dev/nvidiactl /dev/nvidia0 2>&1 | paste -sd' ' -)"
+check "... and the helper made the missing nodes from the driver's majors (/dev/nvidia-uvm, -tools, nvidiactl, nvidia0: $dn)" \
+    test "$dn" = "character special file ee:0|ee:1 c3:ff c3:0"
+nodes="$(uprop $N ActiveState)/$(uprop $N Result)"
+check "... and $N ended inactive/success ($nodes), so the next start runs it again" test "$nodes" = inactive/success
+journalctl -u $N -o cat --no-pager | grep 'qwen4090:' | head -n 4 | while IFS= read -r l; do note "$N: $l"; done
+# Whether this guest's systemd can enforce DevicePolicy= at all (it decides whether the guest
+# could show the denial an ExecStartPre=+ met): a devices controller it can write to.
+note "devices controller in the guest: $(grep -w devices /proc/self/cgroup 2>/dev/null | head -n1 || true) | $(ls -d /sys/fs/cgroup/devices 2>&1) | unified: $(cat /sys/fs/cgroup/unified/cgroup.controllers 2>/dev/null || cat /sys/fs/cgroup/cgroup.controllers 2>/dev/null || echo none)"
+rm -rf "/etc/systemd/system/$N.d" "$FAKE" /usr/local/bin/nvidia-modprobe /run/qwen4090-nvidia-modprobe.log
+rm -f /dev/nvidia-uvm /dev/nvidia-uvm-tools /dev/nvidiactl /dev/nvidia0
+systemctl daemon-reload
+systemctl reset-failed qwen4090@nodes 2>/dev/null || true
 
 echo "== crash loops end failed: exit 75 is not restarted (RestartPreventExitStatus=69 75 78)"
 # Two instances at once. qwen4090@crash: a "vLLM" that exits at once. qwen4090@slowcrash: a
@@ -491,6 +552,7 @@ check "... and the next READY keeps a new one ready (pid $(zpid))" test "$(zpid)
 
 echo "== SIGKILL of the supervisor"
 OLD=$(user_pids)
+nodes0=$(uprop $N ConditionTimestampMonotonic)
 n0=$(prop NRestarts)
 note "processes of $U before: $OLD"
 ts=$(date +%s)
@@ -498,6 +560,7 @@ systemctl kill --signal=SIGKILL --kill-who=main qwen4090
 wait_for 60 restarts_not "$n0"
 check "systemd restarted it (NRestarts $n0 -> $(prop NRestarts), $(elapsed "$ts") after the kill)" \
     test "$(prop NRestarts)" != "$n0"
+note "$N's condition was checked at $nodes0 before the kill, at $(uprop $N ConditionTimestampMonotonic) after systemd's restart (changed: the restart pulled it in again)"
 left=
 for p in $OLD; do kill -0 "$p" 2>/dev/null && left="$left $p"; done
 check "no process of the old supervisor or its vLLM survived${left:+ (alive:$left)}" test -z "$left"

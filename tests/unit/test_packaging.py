@@ -147,10 +147,53 @@ def test_restart_oom_and_limits(name: str) -> None:
     assert int(s["LimitNOFILE"]) >= 65536
     for mod in ("modprobe@nvidia.service", "modprobe@nvidia-uvm.service"):
         assert mod in u["Wants"].split() and mod in u["After"].split()
-    pre = unitfile.values(text, "Service", "ExecStartPre")
-    assert pre[0] == "+/usr/lib/qwen4090/nvidia-device-nodes"
+
+
+NODES_UNIT = "qwen4090-nvidia-nodes.service"
+HELPER = "/usr/libexec/qwen4090/nvidia-device-nodes"
+
+
+def _all(text: str, section: str, key: str) -> list[str]:
+    """Every value of a list-valued key (Wants=, After=...), over its repeated lines."""
+    return [w for v in unitfile.values(text, section, key) for w in v.split()]
+
+
+@pytest.mark.parametrize("name", unitfile.UNITS)
+def test_device_nodes_are_made_by_a_unit_of_their_own_not_a_plus_execstartpre(name: str) -> None:
+    """Issue 19.2: "+" does not lift the unit's device cgroup (systemd issue 26035), so mknod and
+    nvidia-modprobe cannot run from an ExecStartPre=+ of a DevicePolicy=closed unit: the
+    oneshot qwen4090-nvidia-nodes.service does it, wanted and ordered before both units."""
+    text = unitfile.shipped_unit(name)
+    for key in ("ExecStartPre", "ExecStartPost", "ExecStart", "ExecReload", "ExecStop"):
+        for cmd in unitfile.values(text, "Service", key):
+            assert not cmd.lstrip("-@:!").startswith("+"), (key, cmd)
+            assert "nvidia-device-nodes" not in cmd, (key, cmd)
+    assert NODES_UNIT in _all(text, "Unit", "Wants") and NODES_UNIT in _all(text, "Unit", "After")
+    assert NODES_UNIT not in _all(text, "Unit", "Requires")  # no GPU, no driver: still starts
+    assert dict(unitfile.parse_unit(text)["Service"])["DevicePolicy"] == "closed"
+
+
+def test_the_node_unit_runs_the_helper_from_libexec_outside_any_device_policy() -> None:
+    text = (DEBIAN / NODES_UNIT).read_text()
+    u, s = dict(unitfile.parse_unit(text)["Unit"]), dict(unitfile.parse_unit(text)["Service"])
+    assert s["Type"] == "oneshot" and s["ExecStart"] == HELPER
+    # no sandbox that keeps it from mknod and modprobe, and root
+    for key in ("DevicePolicy", "DeviceAllow", "PrivateDevices", "User", "DynamicUser",
+                "NoNewPrivileges", "CapabilityBoundingSet", "ProtectKernelModules"):
+        assert key not in s, key
+    # skipped (not failed) where no NVIDIA driver is loaded, after modprobe@ had its chance
+    assert u["ConditionPathExists"] == "/proc/driver/nvidia/version"
+    for mod in ("modprobe@nvidia.service", "modprobe@nvidia-uvm.service"):
+        assert mod in _all(text, "Unit", "Wants") and mod in _all(text, "Unit", "After")
+    # pulled in by the units, never enabled on its own
+    assert "Install" not in unitfile.parse_unit(text)
     inst = (DEBIAN / "qwen4090.install").read_text()
-    assert "packaging/lib/nvidia-device-nodes usr/lib/qwen4090/" in inst
+    assert "packaging/lib/nvidia-device-nodes usr/libexec/qwen4090/" in inst
+    assert "usr/lib/qwen4090" not in inst
+    assert os.access(ROOT / "packaging/lib/nvidia-device-nodes", os.X_OK)
+    rules = (DEBIAN / "rules").read_text()
+    assert re.search(r"dh_installsystemd [^\n]*\\\n\s*--name=qwen4090-nvidia-nodes "
+                     + re.escape(NODES_UNIT), rules)
 
 
 def test_template_instances_do_not_share_state_home_or_cache() -> None:
@@ -167,7 +210,7 @@ def test_template_instances_do_not_share_state_home_or_cache() -> None:
 def test_upgrades_never_restart_and_needrestart_leaves_units_alone() -> None:
     rules = (DEBIAN / "rules").read_text()
     calls = [line for line in rules.splitlines() if line.strip().startswith("dh_installsystemd")]
-    assert len(calls) == 2
+    assert len(calls) == 3  # qwen4090, qwen4090@, qwen4090-nvidia-nodes
     for c in calls:
         assert "--no-restart-after-upgrade" in c and "--no-stop-on-upgrade" in c
         assert "-R" not in c.split() and "--no-start" in c
@@ -282,13 +325,17 @@ def test_examples_name_where_the_package_installs_them() -> None:
 def test_lintian_override_matches_debian_12_and_13_unit_paths() -> None:
     lines = [ln for ln in (DEBIAN / "qwen4090.lintian-overrides").read_text().splitlines()
              if ln.strip() and not ln.startswith("#")]
+    covered: set[tuple[str, str]] = set()
     for line in lines:
         m = re.fullmatch(r"qwen4090: (\S+) \[(.*)\]", line)
         assert m, line
         # lintian's override context: * matches any characters
         pattern = re.compile(".*".join(re.escape(part) for part in m.group(2).split("*")))
-        for unitdir in ("lib/systemd/system", "usr/lib/systemd/system"):  # Debian 12, 13
-            assert pattern.fullmatch(f"{unitdir}/qwen4090.service"), (line, unitdir)
+        for unit in ("qwen4090.service", NODES_UNIT):  # lintian names both (not templates)
+            for unitdir in ("lib/systemd/system", "usr/lib/systemd/system"):  # Debian 12, 13
+                if pattern.fullmatch(f"{unitdir}/{unit}"):
+                    covered.add((unit, unitdir))
+    assert len(covered) == 4, covered
 
 
 def test_news_debian_is_installed_and_says_what_changed_for_the_sysadmin() -> None:
@@ -445,6 +492,11 @@ def test_man_page_covers_every_command_and_exit_code() -> None:
     assert sorted(int(c) for c in sections["EXIT STATUS"]) == sorted({*EXIT_CODES, 2})
 
 
+def _rdev(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return os.major(st.st_rdev), os.minor(st.st_rdev)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
 def test_nvidia_device_nodes_script_creates_missing_uvm_nodes(tmp_path: Path) -> None:
     proc, dev = tmp_path / "proc", tmp_path / "dev"
@@ -458,11 +510,29 @@ def test_nvidia_device_nodes_script_creates_missing_uvm_nodes(tmp_path: Path) ->
     assert r.returncode == 0 and list(dev.iterdir()) == []
     (proc / "driver/nvidia/version").write_text("NVRM version: 580\n")
     (proc / "devices").write_text(PROC_NEW)
+    for minor, bus in ((0, "0000:18:00.0"), (3, "0000:9a:00.0")):
+        (proc / "driver/nvidia/gpus" / bus).mkdir(parents=True)
+        (proc / "driver/nvidia/gpus" / bus / "information").write_text(
+            f"Model: \t\t NVIDIA H200\nIRQ:   \t\t 42\nDevice Minor: \t {minor}\n")
+    # nvidia-modprobe (a stand-in that records its arguments) once per GPU, with -u
+    calls = tmp_path / "calls"
+    stub = tmp_path / "nvidia-modprobe"
+    stub.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    stub.chmod(0o755)
+    r = subprocess.run(["sh", str(script)], env={**env, "QWEN4090_NVIDIA_MODPROBE": str(stub)},
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert calls.read_text().splitlines() == ["-u -c=0", "-u -c=3"]
+    assert _rdev(dev / "nvidia-uvm") == (238, 0) and _rdev(dev / "nvidia-uvm-tools") == (238, 1)
+    assert _rdev(dev / "nvidiactl") == (195, 255)
+    assert _rdev(dev / "nvidia0") == (195, 0) and _rdev(dev / "nvidia3") == (195, 3)
+    assert "created" in r.stdout
+    # a reloaded driver gave nvidia-uvm another (dynamic) major: the stale nodes are replaced
+    (proc / "devices").write_text(PROC_NEW.replace("238 nvidia-uvm", "236 nvidia-uvm"))
     r = subprocess.run(["sh", str(script)], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    st = os.stat(dev / "nvidia-uvm-tools")
-    assert (os.major(st.st_rdev), os.minor(st.st_rdev)) == (238, 1)
-    assert "created" in r.stdout
+    assert _rdev(dev / "nvidia-uvm") == (236, 0) and _rdev(dev / "nvidia-uvm-tools") == (236, 1)
+    assert "replacing" in r.stdout and "nvidiactl" not in r.stdout  # right ones are kept
     (proc / "devices").write_text(PROC_NEW.replace("238 nvidia-uvm\n", ""))
     (dev / "nvidia-uvm").unlink()
     r = subprocess.run(["sh", str(script)], env=env, capture_output=True, text=True)
