@@ -7,8 +7,9 @@ only their own vLLM port and GPU in their config.
   ``vllm.env.CUDA_VISIBLE_DEVICES`` names GPUs by index, vLLM uses the first of them, so
   gpu.device follows it when unset, and a different explicit gpu.device is a config error.
   Indices in CUDA_VISIBLE_DEVICES are NVML's (PCI bus) order only with
-  ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or identical GPUs; UUIDs (``GPU-...``) and MIG names are
-  left to the NVML side to resolve (gpu.device is not changed for them).
+  ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or identical GPUs.  UUIDs (``GPU-...``) and MIG names need
+  NVML, which a config load does not ask: gpu.GpuParts.device resolves them when the daemon
+  picks the GPU to watch (gpu.device is not changed here).
 
 Pure: plain values in, the derived values (or the contradiction found) out.  It imports nothing
 of ours: config.py calls it while it builds a Config, so it sits below config.py.

@@ -10,12 +10,13 @@ every check steps aside, and the ladder still runs from vLLM's own error texts.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from qwen4090 import kvbudget, ladder, learned, plan, preflight, xid
+from qwen4090 import derived, kvbudget, ladder, learned, plan, preflight, xid
 from qwen4090 import launch as launch_mod
 from qwen4090.config import AUTO, Config
 from qwen4090.launch import Launch
@@ -24,6 +25,13 @@ from qwen4090.preflight import PreflightResult
 from qwen4090.probes import nvml
 
 GIB = 1024 ** 3
+CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
+
+
+def cuda_visible(cfg: Config, env: Mapping[str, str]) -> str | None:
+    """CUDA_VISIBLE_DEVICES as vLLM gets it: [vllm.env] over the supervisor's own environment
+    (the unit's Environment=), as child.render_env builds vLLM's."""
+    return cfg.vllm.env.get(CUDA_VISIBLE, env.get(CUDA_VISIBLE))
 
 
 class GpuParts:
@@ -32,6 +40,42 @@ class GpuParts:
         self.env = dict(os.environ) if env is None else env
         self.watch: nvml.GpuWatch | None = None
         self._said_no_gpu = False
+        self._by_uuid: dict[str, int] = {}  # CUDA_VISIBLE_DEVICES' first entry -> NVML index
+        self._unresolved: set[str] = set()  # values already warned about
+
+    # --- which GPU ---------------------------------------------------------------------------
+
+    def device(self, cfg: Config) -> int:
+        """NVML's index of the GPU vLLM runs on.  ``gpu.device`` (which follows an index list
+        in vllm.env.CUDA_VISIBLE_DEVICES: derived.py), unless CUDA_VISIBLE_DEVICES as vLLM gets
+        it names its first GPU by UUID (``GPU-...``, ``MIG-...``): NVML resolves that to its
+        own index.  A value NVML cannot resolve is warned about once, and gpu.device watched."""
+        value = cuda_visible(cfg, self.env) or ""
+        first = value.split(",")[0].strip()
+        if cfg.gpu.enabled == "off" or not first or derived.cuda_visible_indices(first):
+            return cfg.gpu.device
+        if first in self._by_uuid:
+            return self._by_uuid[first]
+        nvml.bind(cfg.vllm.command)
+        found = nvml.index_of(first)
+        if isinstance(found, int):
+            self._by_uuid[first] = found
+            self.log.info("gpu_device_resolved", cuda_visible_devices=value, index=found)
+            return found
+        if value not in self._unresolved:
+            self._unresolved.add(value)
+            self.log.warning("gpu_device_unresolved", cuda_visible_devices=value, reason=found,
+                             device=cfg.gpu.device,
+                             hint="NVML watches gpu.device; set it to the GPU's NVML index "
+                                  "(nvidia-smi -L lists index and UUID)")
+        return cfg.gpu.device
+
+    def _on_device(self, cfg: Config) -> Config:
+        """``cfg`` with gpu.device the GPU vLLM runs on (:meth:`device`)."""
+        index = self.device(cfg)
+        if index == cfg.gpu.device:
+            return cfg
+        return dataclasses.replace(cfg, gpu=dataclasses.replace(cfg.gpu, device=index))
 
     # --- at start ---------------------------------------------------------------------------
 
@@ -52,7 +96,7 @@ class GpuParts:
 
         why = nvml.wait_for_driver(g.driver_wait, on_wait=waiting, stopping=stopping)
         if why is None:
-            mem = nvml.memory(g.device)
+            mem = nvml.memory(self.device(cfg))
             if not isinstance(mem, str):
                 self.log.info("gpu_found", name=mem.name, total_gib=round(mem.total / GIB, 2),
                               usable_gib=round(mem.usable / GIB, 2),
@@ -79,7 +123,7 @@ class GpuParts:
                 self.log.warning("gpu_xid", xid=code, action=info.action.value,
                                  detail=info.describe())
 
-        self.watch = nvml.GpuWatch(cfg.gpu.device, cfg.gpu.sample_interval,
+        self.watch = nvml.GpuWatch(self.device(cfg), cfg.gpu.sample_interval,
                                    cfg.gpu.temperature_warn, self.log, on_xid,
                                    on_sample=lambda index, s: on_sample(s.metrics(index)))
         self.watch.start()
@@ -92,7 +136,10 @@ class GpuParts:
     # --- before each launch -----------------------------------------------------------------
 
     def launch(self, cfg: Config) -> Launch:
-        """What the next vLLM is launched with (launch.py, on this machine's facts)."""
+        """What the next vLLM is launched with (launch.py, on this machine's facts); its
+        config's gpu.device is the GPU vLLM runs on (:meth:`device`), for the plan, the checks
+        and the release wait."""
+        cfg = self._on_device(cfg)
         return launch_mod.resolve(cfg, launch_mod.read_facts(cfg, self.env))
 
     def preflight(self, chosen: Launch) -> PreflightResult:
@@ -225,7 +272,8 @@ class GpuParts:
         if not pids or cfg.gpu.enabled == "off":
             return
         start = clock()
-        while (held := self.held(cfg.gpu.device, pids)) is not None:
+        device = self.device(cfg)
+        while (held := self.held(device, pids)) is not None:
             if clock() - start >= cfg.gpu.release_timeout:
                 self.log.warning("gpu_not_released", waited=round(clock() - start, 2),
                                  holders=held)

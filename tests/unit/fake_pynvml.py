@@ -17,7 +17,12 @@ STATE: dict[str, Any] = {
     "total": 143771 * MIB, "reserved": 615 * MIB, "used": 20480 * MIB,
     "temperature": 41, "power_mw": 123_000, "limit_mw": 700_000, "util": 37, "util_mem": 12,
     "reasons": 0, "ecc": (0, 0), "inits": 0,
+    "count": 1,  # GPUs: handles (and NVML indices) 0 .. count-1
+    "migs": {},  # MIG instance UUID -> the NVML index of the GPU that holds it
 }
+# Each GPU's UUID, by NVML index; a MIG instance's handle is MIG_HANDLE + its GPU's index.
+UUIDS = [f"GPU-{i}e6b2b1c-7d1a-4c3e-9f00-a1b2c3d4e5f{i}" for i in range(8)]
+MIG_HANDLE = 1000
 
 NVML_TEMPERATURE_GPU = 0
 NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
@@ -25,6 +30,8 @@ NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
 NVML_VOLATILE_ECC = 0
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_INVALID_ARGUMENT = 2
+NVML_ERROR_NOT_FOUND = 6
 nvmlMemory_v2 = 0x02000028
 nvmlEventTypeXidCriticalError = 0x8
 
@@ -43,10 +50,42 @@ def nvmlShutdown() -> None:
     pass
 
 
+def nvmlDeviceGetCount() -> int:
+    return int(STATE["count"])
+
+
 def nvmlDeviceGetHandleByIndex(index: int) -> int:
-    if index != 0:
-        raise NVMLError(2)  # invalid argument: one GPU here
+    if not 0 <= index < STATE["count"]:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)  # one GPU here, unless a test adds some
     return index
+
+
+def nvmlDeviceGetUUID(handle: int) -> str:
+    return UUIDS[handle]
+
+
+def nvmlDeviceGetHandleByUUID(uuid: str | bytes) -> int:
+    text = uuid.decode() if isinstance(uuid, bytes) else uuid
+    if text in STATE["migs"]:
+        return MIG_HANDLE + int(STATE["migs"][text])
+    for index in range(STATE["count"]):
+        if UUIDS[index] == text:  # whole UUIDs only, as NVML
+            return index
+    raise NVMLError(NVML_ERROR_NOT_FOUND)
+
+
+def nvmlDeviceGetIndex(handle: int) -> int:
+    if handle >= MIG_HANDLE:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)  # a MIG instance: ask for its GPU first
+    return handle
+
+
+def nvmlDeviceIsMigDeviceHandle(handle: int) -> int:
+    return int(handle >= MIG_HANDLE)
+
+
+def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle: int) -> int:
+    return handle - MIG_HANDLE
 
 
 def nvmlDeviceGetName(handle: int) -> str:

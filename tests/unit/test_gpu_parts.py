@@ -3,9 +3,11 @@ supervisor's use of them (fake clock, fake child, no processes)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -120,6 +122,108 @@ def test_gpu_held_names_the_old_processes(h200: dict[str, Any]) -> None:
     h200["procs"] = [nvml.GpuProcess(77, 20 * GIB, "VLLM::EngineCore")]
     assert parts.held(0, [77]) == "pid 77 (VLLM::EngineCore) 20.0 GiB"
     assert parts.held(0, [78]) is None
+
+
+# --- which GPU: CUDA_VISIBLE_DEVICES by UUID (issue 19.6) -------------------------------------
+
+
+@pytest.fixture
+def two_gpus(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """tests/unit/fake_pynvml.py as the binding (a fresh copy), with two GPUs."""
+    spec = importlib.util.spec_from_file_location("fake_pynvml_two_gpus",
+                                                  Path(__file__).with_name("fake_pynvml.py"))
+    assert spec is not None and spec.loader is not None
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+    fake.STATE["count"] = 2
+    monkeypatch.setattr(nvml, "pynvml", fake)
+    monkeypatch.setattr(nvml, "_initialized", False)
+    return fake
+
+
+def _uuid_cfg(tmp_path: Path, unit_env: dict[str, str], **vllm_env: str
+              ) -> tuple[gpu.GpuParts, Config, Log]:
+    log = Log()
+    cfg = make_cfg(tmp_path, plan_check="warn", max_model_len=8192,
+                   **({"env": vllm_env} if vllm_env else {}))
+    return gpu.GpuParts(log, env=unit_env), cfg, log
+
+
+def test_a_gpu_uuid_in_the_units_environment_is_watched_by_its_nvml_index(
+        tmp_path: Path, two_gpus: ModuleType) -> None:
+    """CUDA_VISIBLE_DEVICES=GPU-<uuid> left NVML watching index 0: the plan, the checks, the
+    release wait and the watch all asked about another GPU than the one vLLM ran on."""
+    second = two_gpus.UUIDS[1]
+    parts, cfg, log = _uuid_cfg(tmp_path, {"CUDA_VISIBLE_DEVICES": f"{second},{two_gpus.UUIDS[0]}"})
+    assert cfg.gpu.device == 0  # the config cannot know: only NVML can map a UUID
+    launched = parts.launch(cfg)
+    assert launched.config.gpu.device == 1  # the plan's GPU; the supervisor's release wait
+    assert parts.device(cfg) == 1
+    assert log.named("gpu_device_resolved") == [
+        {"cuda_visible_devices": f"{second},{two_gpus.UUIDS[0]}", "index": 1}]
+    parts.start_watch(cfg, on_fatal=lambda why: None)
+    try:
+        assert parts.watch is not None and parts.watch.index == 1
+    finally:
+        parts.stop_watch()
+    assert not log.named("gpu_device_unresolved")
+
+
+@pytest.mark.parametrize("unit_env,vllm_env,expected", [
+    # [vllm.env] is what vLLM gets, over the unit's Environment=
+    ({"CUDA_VISIBLE_DEVICES": "GPU-0e6b2b1c-7d1a-4c3e-9f00-a1b2c3d4e5f0"},
+     "GPU-1e6b2b1c-7d1a-4c3e-9f00-a1b2c3d4e5f1", 1),
+    ({}, "GPU-1e6b", 1),  # a unique prefix, which CUDA accepts too
+    ({}, "MIG-7f2c9e11-0000-4000-8000-00000000mig1", 1),  # a MIG instance: its GPU
+    ({}, "MIG-GPU-1e6b2b1c-7d1a-4c3e-9f00-a1b2c3d4e5f1/2/0", 1),  # before driver R470
+])
+def test_uuids_and_mig_names_in_vllm_env_are_resolved(
+        tmp_path: Path, two_gpus: ModuleType, unit_env: dict[str, str], vllm_env: str,
+        expected: int) -> None:
+    two_gpus.STATE["migs"] = {"MIG-7f2c9e11-0000-4000-8000-00000000mig1": 1}
+    parts, cfg, log = _uuid_cfg(tmp_path, unit_env, CUDA_VISIBLE_DEVICES=vllm_env)
+    assert parts.launch(cfg).config.gpu.device == expected
+    assert parts.device(cfg) == expected
+    assert not log.named("gpu_device_unresolved")
+
+
+def test_index_lists_keep_todays_behaviour(tmp_path: Path, two_gpus: ModuleType) -> None:
+    # in [vllm.env]: gpu.device follows the first index (derived.py, when the config loads)
+    parts, cfg, log = _uuid_cfg(tmp_path, {}, CUDA_VISIBLE_DEVICES="1,0")
+    assert cfg.gpu.device == 1 and parts.launch(cfg).config.gpu.device == 1
+    # in the unit's environment: gpu.device as configured, as before
+    parts, cfg, log = _uuid_cfg(tmp_path, {"CUDA_VISIBLE_DEVICES": "1"})
+    assert parts.launch(cfg).config.gpu.device == 0
+    assert not any(e.startswith("gpu_device") for e in log.names())
+
+
+@pytest.mark.parametrize("value", [
+    "GPU-ffffffff-0000-4000-8000-000000000000",  # no such GPU
+    "GPU-",  # a prefix of both
+    "nonsense",
+])
+def test_an_unresolvable_value_is_warned_about_once_and_gpu_device_watched(
+        tmp_path: Path, two_gpus: ModuleType, value: str) -> None:
+    parts, cfg, log = _uuid_cfg(tmp_path, {"CUDA_VISIBLE_DEVICES": value})
+    assert parts.launch(cfg).config.gpu.device == 0
+    assert parts.launch(cfg).config.gpu.device == 0
+    warned = log.named("gpu_device_unresolved")
+    assert len(warned) == 1, warned  # once, not at every launch
+    assert warned[0]["cuda_visible_devices"] == value and warned[0]["device"] == 0
+    assert "nvidia-smi -L" in warned[0]["hint"] and warned[0]["reason"]
+
+
+def test_without_nvml_a_uuid_is_warned_about_and_gpu_device_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nvml, "pynvml", None)
+    monkeypatch.setattr(nvml, "bind", lambda command: "no NVML binding")
+    parts, cfg, log = _uuid_cfg(tmp_path, {"CUDA_VISIBLE_DEVICES": "GPU-1e6b2b1c"})
+    assert parts.launch(cfg).config.gpu.device == 0
+    assert "no NVML binding" in log.named("gpu_device_unresolved")[0]["reason"]
+    quiet = Log()
+    off = gpu.GpuParts(quiet, env={"CUDA_VISIBLE_DEVICES": "GPU-1e6b2b1c"})
+    cfg_off = from_dict({"vllm": {"model": "/m"}, "gpu": {"enabled": "off", "device": 2}})
+    assert off.device(cfg_off) == 2 and quiet.events == []
 
 
 # --- the supervisor with these hooks --------------------------------------------------------

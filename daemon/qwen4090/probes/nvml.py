@@ -108,6 +108,56 @@ def _handle(index: int) -> Any:
     return pynvml.nvmlDeviceGetHandleByIndex(index)
 
 
+def index_of(visible: str) -> int | str:
+    """NVML's index of the GPU that one ``CUDA_VISIBLE_DEVICES`` entry names by UUID:
+    ``GPU-<uuid>`` (or a unique prefix of one, which CUDA accepts too), ``MIG-<uuid>`` or the
+    older ``MIG-GPU-<uuid>/<gi>/<ci>`` (the GPU that holds the MIG instance); a str says why
+    not.  CUDA numbers GPUs its own way, NVML by PCI bus: only the UUID is the same to both."""
+    why = init()
+    if why:
+        return why
+    name = visible.strip()
+    if name.startswith("MIG-GPU-"):  # drivers before R470: MIG-GPU-<uuid>/<gi>/<ci>
+        name = name[len("MIG-"):].split("/", 1)[0]
+    if not name.startswith(("GPU-", "MIG-")):
+        return f"{visible!r} is neither a GPU index nor a GPU-/MIG- UUID"
+    try:
+        h = pynvml.nvmlDeviceGetHandleByUUID(name)
+    except Exception as e:
+        h = _handle_by_uuid_prefix(name)
+        if h is None:
+            return f"NVML knows no GPU with UUID {name!r} ({_err(e)})"
+    try:
+        if _is_mig(h):
+            h = pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(h)
+        return int(pynvml.nvmlDeviceGetIndex(h))
+    except Exception as e:
+        return f"no NVML index for {name!r}: {_err(e)}"
+
+
+def _handle_by_uuid_prefix(prefix: str) -> Any:
+    """The one GPU whose UUID starts with ``prefix`` (None: none, or more than one)."""
+    if not prefix.startswith("GPU-"):
+        return None
+    try:
+        handles = [_handle(i) for i in range(int(pynvml.nvmlDeviceGetCount()))]
+        found = [h for h in handles if _text(pynvml.nvmlDeviceGetUUID(h)).startswith(prefix)]
+    except Exception:
+        return None
+    return found[0] if len(found) == 1 else None
+
+
+def _is_mig(h: Any) -> bool:
+    try:
+        return bool(pynvml.nvmlDeviceIsMigDeviceHandle(h))
+    except Exception:  # bindings or drivers without MIG
+        return False
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
 def _name(h: Any) -> str:
     n = pynvml.nvmlDeviceGetName(h)
     return n.decode() if isinstance(n, bytes) else str(n)
