@@ -296,7 +296,8 @@ check "... and $N ended inactive/success ($nodes), so the next start runs it aga
 journalctl -u $N -o cat --no-pager | grep 'qwen4090:' | head -n 4 | while IFS= read -r l; do note "$N: $l"; done
 # Whether this guest's systemd can enforce DevicePolicy= at all (it decides whether the guest
 # could show the denial an ExecStartPre=+ met): a devices controller it can write to.
-note "devices controller in the guest: $(grep -w devices /proc/self/cgroup 2>/dev/null | head -n1 || true) | $(ls -d /sys/fs/cgroup/devices 2>&1) | unified: $(cat /sys/fs/cgroup/unified/cgroup.controllers 2>/dev/null || cat /sys/fs/cgroup/cgroup.controllers 2>/dev/null || echo none)"
+# (On a cgroup v1 hybrid host nspawn mounts it read-only: no device filter in the guest.)
+note "devices controller in the guest: $(awk '$2 == "/sys/fs/cgroup/devices" { print $2, $4 }' /proc/mounts) | cgroup v2 controllers: $(cat /sys/fs/cgroup/unified/cgroup.controllers 2>/dev/null || cat /sys/fs/cgroup/cgroup.controllers 2>/dev/null || echo none)"
 rm -rf "/etc/systemd/system/$N.d" "$FAKE" /usr/local/bin/nvidia-modprobe /run/qwen4090-nvidia-modprobe.log
 rm -f /dev/nvidia-uvm /dev/nvidia-uvm-tools /dev/nvidiactl /dev/nvidia0
 systemctl daemon-reload
