@@ -561,7 +561,9 @@ systemctl kill --signal=SIGKILL --kill-who=main qwen4090
 wait_for 60 restarts_not "$n0"
 check "systemd restarted it (NRestarts $n0 -> $(prop NRestarts), $(elapsed "$ts") after the kill)" \
     test "$(prop NRestarts)" != "$n0"
-note "$N's condition was checked at $nodes0 before the kill, at $(uprop $N ConditionTimestampMonotonic) after systemd's restart (changed: the restart pulled it in again)"
+nodes1=$(uprop $N ConditionTimestampMonotonic)
+check "... and systemd's restart pulled in $N again (its condition checked at $nodes0, then at $nodes1)" \
+    test "$nodes1" -gt "$nodes0"
 left=
 for p in $OLD; do kill -0 "$p" 2>/dev/null && left="$left $p"; done
 check "no process of the old supervisor or its vLLM survived${left:+ (alive:$left)}" test -z "$left"
