@@ -150,7 +150,7 @@ def _uuid_cfg(tmp_path: Path, unit_env: dict[str, str], **vllm_env: str
 
 
 def test_a_gpu_uuid_in_the_units_environment_is_watched_by_its_nvml_index(
-        tmp_path: Path, two_gpus: ModuleType) -> None:
+        tmp_path: Path, two_gpus: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA_VISIBLE_DEVICES=GPU-<uuid> left NVML watching index 0: the plan, the checks, the
     release wait and the watch all asked about another GPU than the one vLLM ran on."""
     second = two_gpus.UUIDS[1]
@@ -166,6 +166,23 @@ def test_a_gpu_uuid_in_the_units_environment_is_watched_by_its_nvml_index(
         assert parts.watch is not None and parts.watch.index == 1
     finally:
         parts.stop_watch()
+    asked: list[int] = []
+    real_memory = nvml.memory
+
+    def processes(index: int = 0) -> list[nvml.GpuProcess]:
+        asked.append(index)
+        return []
+
+    def memory(index: int = 0) -> nvml.MemoryInfo | str:
+        asked.append(index)
+        return real_memory(index)
+
+    monkeypatch.setattr(nvml, "processes", processes)
+    parts.wait_released(cfg, [77], sleep=lambda s: None)
+    monkeypatch.setattr(nvml, "wait_for_driver", lambda *a, **kw: None)
+    monkeypatch.setattr(nvml, "memory", memory)
+    assert parts.wait_for_driver(cfg, extend=lambda s: None) is None
+    assert asked == [1, 1] and log.named("gpu_found")  # the release wait, the driver wait
     assert not log.named("gpu_device_unresolved")
 
 
