@@ -123,8 +123,10 @@ def test_ready_endpoint_contents(daemon: Daemon) -> None:
     assert doc["config"]["vllm"]["port"] == daemon.vllm_port  # type: ignore[attr-defined]
     assert doc["config"]["status"]["port"] == daemon.status_port  # type: ignore[attr-defined]
     assert doc["warmup"]["ok"] is True
+    # the lengths asked for, then the longest engine step the settings allow (a
+    # max_num_batched_tokens prefill, capped below max_model_len: issue 18.5), then the batch
     assert [(r["length"], r["concurrency"]) for r in doc["warmup"]["rows"]] == [
-        (1, 1), (16, 1), (256, 1), (256, 4)]
+        (1, 1), (16, 1), (256, 1), (2044, 1), (256, 4)]
     assert doc["time_to_ready_seconds"] > 0
     assert doc["restarts"] == 0 and doc["history"] == []
     assert "gpu" in doc  # None here: no GPU sampler on this machine
@@ -140,7 +142,7 @@ def test_metrics_when_ready(daemon: Daemon) -> None:
     state = {s.labels["state"]: s.value for s in fams["qwen4090_state"]}
     assert state["ready"] == 1.0 and sum(state.values()) == 1.0
     ttft = {s.labels["length"] for s in fams["qwen4090_warmup_ttft_seconds"]}
-    assert ttft == {"1", "16", "256"}
+    assert ttft == {"1", "16", "256", "2044"}
     assert fams["qwen4090_time_to_ready_seconds"][0].value > 0
     restarts = [s for s in fams["qwen4090_restarts"] if s.name.endswith("_total")]
     assert restarts and sum(s.value for s in restarts) == 0
