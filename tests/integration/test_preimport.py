@@ -35,7 +35,9 @@ def alive(pid: int) -> bool:
 
 
 def index(d: Daemon, name: str, after: int = 0) -> int:
-    """Where the first ``name`` event after ``after`` is in the daemon's log."""
+    """Where the first ``name`` event after ``after`` is in the daemon's log (waited for: the
+    log reader may not have it yet)."""
+    d.wait_event(name, 30, after)
     return next(i for i, ev in enumerate(d.events) if i >= after and ev.get("event") == name)
 
 
