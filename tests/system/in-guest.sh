@@ -293,7 +293,7 @@ check "... and the helper made the missing nodes from the driver's majors (/dev/
     test "$dn" = "character special file ee:0|ee:1 c3:ff c3:0"
 nodes="$(uprop $N ActiveState)/$(uprop $N Result)"
 check "... and $N ended inactive/success ($nodes), so the next start runs it again" test "$nodes" = inactive/success
-journalctl -u $N -o cat --no-pager | grep 'qwen4090:' | head -n 4 | while IFS= read -r l; do note "$N: $l"; done
+journalctl -u $N -o cat --no-pager | grep '^qwen4090: ' | head -n 4 | while IFS= read -r l; do note "$N: $l"; done
 # Whether this guest's systemd can enforce DevicePolicy= at all (it decides whether the guest
 # could show the denial an ExecStartPre=+ met): a devices controller it can write to.
 # (On a cgroup v1 hybrid host nspawn mounts it read-only: no device filter in the guest.)
