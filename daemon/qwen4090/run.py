@@ -9,8 +9,9 @@ machine per process.
 The Run sends its own signals and starts its own probe jobs, and turns their results into
 verdicts; it never changes the daemon's state.  The supervisor asks it (``start_step``,
 ``watch``, ``on_poll``, ``on_canary``, ``reap_group``...) and acts on the verdicts: a
-:class:`Move` between states, or a :class:`Fail` (an ``ExitVerdict``) that fails the run.  Serving two engines under one supervisor
-would be a list of Runs, each with its own role (docs/architecture.md).
+:class:`Move` between states, or a :class:`Fail` (an ``ExitVerdict``) that fails the run.
+Serving two engines under one supervisor would be a list of Runs, each with its own role
+(docs/architecture.md).
 """
 
 from __future__ import annotations
