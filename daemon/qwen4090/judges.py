@@ -132,18 +132,28 @@ class ServingSchedule:
     last_poll: float
     last_canary: float
     unhealthy_since: float | None = None
+    asked: bool = False  # a judgement needs a fresh sample: the next poll is due at once
 
     def next_poll_at(self, poll_interval: float) -> float:
         """poll_interval after the last poll, or earlier at the moment a stall being timed
         reaches hang_timeout (HangDetector.deadline) -- once: a deadline already polled for
         (the stall's clock is not reset while /health fails) must not bring each next poll
         forward."""
+        if self.asked:
+            return self.last_poll
         due = self.last_poll + poll_interval
         deadline = self.hang.deadline()
         return deadline if deadline is not None and self.last_poll < deadline < due else due
 
     def poll_due(self, now: float, poll_interval: float) -> bool:
         return now >= self.next_poll_at(poll_interval)
+
+    def polled(self, now: float) -> None:
+        self.last_poll, self.asked = now, False
+
+    def ask(self) -> None:
+        """A poll at once, not at the next interval (a stuck canary's judgement needs one)."""
+        self.asked = True
 
     def canary_due(self, now: float, canary_interval: float) -> bool:
         return canary_interval > 0 and now >= self.last_canary + canary_interval

@@ -130,6 +130,7 @@ class Run:
         self.serving = ServingSchedule(HangDetector(watch.hang_timeout, watch.poll_interval),
                                        now, now)
         self.last_metrics: MetricsResult | None = None
+        self.metrics_at: float | None = None  # when last_metrics came in
         self.canary_base: float | None = None  # progress counter when the canary was judged
         self.canary_judged_at = now  # start of the window in which a stuck canary is judged
         self.canary_stuck_noted: float | None = None
@@ -312,7 +313,7 @@ class Run:
         if self.serving.poll_due(now, w.poll_interval) and "poll" not in self.tasks:
             self.submit(now, "poll", _PollJob(self.probe, w.health_timeout, self.clock,
                                               self.owner_check(ports)))
-            self.serving.last_poll = now
+            self.serving.polled(now)
         self.poll_in_flight(now, w, out)
         if out.failed:
             return out.out
@@ -331,7 +332,15 @@ class Run:
         canary = self.tasks.get("canary")
         if canary is None or now - self.canary_judged_at <= w.canary_timeout + 5:
             return
+        if self.metrics_at is None or self.metrics_at <= self.canary_judged_at:
+            # No progress sample since the window opened (polls may be poll_interval apart):
+            # flat would mean stale, not hung.  A poll now; judged when its answer is in.
+            self.serving.ask()
+            return
         latest = _progress_of(self.last_metrics) if self.last_metrics else None
+        if self.canary_base is None:  # nothing to compare with yet: this sample opens a window
+            self.canary_base, self.canary_judged_at = latest, now
+            return
         stuck = f"canary request stuck for {now - canary.started:.0f}s"
         if canary_counts(False, True, self.canary_base, latest):
             out.fail(ExitVerdict(Cause.CANARY, stuck, True))
@@ -402,7 +411,7 @@ class Run:
             return out.out
         stalled = 0.0
         if metrics.ok:
-            self.last_metrics = metrics
+            self.last_metrics, self.metrics_at = metrics, now
             prog = Progress(metrics.get(RUNNING), metrics.get(WAITING), _progress_of(metrics))
             hang = self.serving.hang.judge(now, prog)
             stalled = hang.stalled

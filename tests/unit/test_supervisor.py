@@ -955,3 +955,31 @@ def test_status_says_how_many_warnings_the_start_logged() -> None:
     quiet = Harness()
     quiet.run_until(State.READY)
     assert not any("warning" in m for m in quiet.notifier.sent)
+
+
+def test_a_stuck_canary_is_judged_on_a_sample_newer_than_itself_not_a_stale_poll() -> None:
+    """Polls 20 s apart, canaries every second: a canary stuck behind a busy queue must not be
+    condemned on the last poll's counters (taken before it was sent: flat means stale, not
+    hung); a poll goes out at once and its answer decides (the integration test
+    test_canary_behind_a_busy_queue_is_not_a_restart failed this way under load)."""
+    h = Harness({"watch": {"poll_interval": 20.0, "canary_interval": 1.0, "canary_timeout": 2.0,
+                           "hang_timeout": 40.0, "unhealthy_timeout": 20.0}})
+    h.run_until(State.READY)
+    h.step(0.5, n=4)  # a few good canaries after the READY poll
+    polls = []
+    h.executor.hold = lambda fn: is_canary(fn)  # the next canary never comes back
+    orig = h.probe.metrics
+
+    def metrics(timeout: float) -> MetricsResult:
+        polls.append(h.clock.t)
+        return orig(timeout)
+
+    h.probe.metrics = metrics  # type: ignore[method-assign]
+    h.probe.tokens_per_metrics = 5.0  # the engine works meanwhile
+    h.step(0.5, n=36)  # 18 s: two canary windows (2 + 5 s), before the next regular poll
+    assert h.sup.state == State.READY, h.failure
+    assert polls and polls[0] < h.clock.t  # a poll was brought forward for the judgement
+    assert "canary_slow" in h.log.names()
+    h.probe.tokens_per_metrics = 0.0  # and a canary stuck with the counters flat still fails
+    h.run_until(State.RESTARTING, dt=0.5, limit=60)
+    assert h.failure.cause is Cause.CANARY and "stuck" in h.failure.detail
