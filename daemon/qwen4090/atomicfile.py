@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 # What a sysadmin reads in the journal; the errno's name follows, for a search.
 CAUSES = {
@@ -94,3 +96,55 @@ class Failures:
 # One per process: the writers build their store objects afresh at each use (gpu.py), so the
 # memory of what was said cannot live on them.
 FAILURES = Failures()
+
+
+# What a JsonState could not write (or remove) stays here for the life of this process, keyed
+# by path (the stores are built at each use): {} for a file whose removal failed.
+_unsaved: dict[Path, dict[str, Any]] = {}
+_unsaved_lock = threading.Lock()
+
+
+class JsonState:
+    """A small JSON file in the state directory that degrades visibly: what cannot be written
+    is kept in this process (read() returns it) and said once (``state_not_saved`` with the
+    path and the cause in words), and ``state_saved`` when a write works again.  Used by the
+    KV budget (kvbudget.py) and the longest engine step (steptime.py)."""
+
+    def __init__(self, path: Path, log: Any) -> None:
+        self.path = path
+        self.log = log
+
+    def read(self) -> dict[str, Any]:
+        with _unsaved_lock:
+            if self.path in _unsaved:
+                return dict(_unsaved[self.path])
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}  # missing, unreadable or torn
+        return data if isinstance(data, dict) else {}
+
+    def write(self, data: dict[str, Any], what: str, then: str) -> bool:
+        """Write ``data`` atomically; True when it is on disk (else kept here, see above)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_text(self.path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+        except OSError as e:
+            self.unsaved(data, e, what, then)
+            return False
+        self.saved(what)
+        return True
+
+    def unsaved(self, data: dict[str, Any], e: OSError, what: str, then: str) -> None:
+        with _unsaved_lock:
+            _unsaved[self.path] = data
+        if FAILURES.failed(self.path):
+            self.log.warning("state_not_saved", path=str(self.path), what=what, cause=cause(e),
+                             hint=f"free space in {self.path.parent} or make it writable for "
+                                  f"the service user; until then {then}")
+
+    def saved(self, what: str) -> None:
+        with _unsaved_lock:
+            _unsaved.pop(self.path, None)
+        if FAILURES.saved(self.path):
+            self.log.info("state_saved", path=str(self.path), what=what)

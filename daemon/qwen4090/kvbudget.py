@@ -25,8 +25,6 @@ words) says so once per file.
 from __future__ import annotations
 
 import dataclasses
-import json
-import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -86,10 +84,6 @@ def with_budget(cfg: Config, n: int) -> Config:
     return dataclasses.replace(cfg, vllm=v)
 
 
-# What could not be written (or removed) stays here for the life of this process: a budget
-# recorded, or {} for one forgotten.  Keyed by path: gpu.py builds a KvBudget at each use.
-_unsaved: dict[Path, dict[str, Any]] = {}
-_unsaved_lock = threading.Lock()
 LOG = logs.get_logger()  # a lazy proxy: the configuration in effect at each call
 
 
@@ -100,17 +94,12 @@ class KvBudget:
                  log: Any = LOG) -> None:
         self.path = Path(directory) / FILE_NAME
         self.wall = wall
-        self.log = log
+        self.state = atomicfile.JsonState(self.path, log)
 
     def read(self) -> dict[str, Any]:
-        with _unsaved_lock:
-            if self.path in _unsaved:
-                return dict(_unsaved[self.path])
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}  # missing, unreadable or torn: profile as usual
-        return data if isinstance(data, dict) else {}
+        """What is on disk (or kept in this process); {} when missing, unreadable or torn:
+        profile as usual."""
+        return self.state.read()
 
     def record(self, launch: Config, base: dict[str, Any], report: dict[str, Any],
                per_token: int | None = None) -> bool:
@@ -125,14 +114,8 @@ class KvBudget:
         n = exact_bytes(n, report.get("kv_tokens"), per_token)
         data = {"version": 1, "kv_cache_memory_bytes": n, "kv_tokens": report.get("kv_tokens"),
                 "time": round(self.wall(), 3), "fingerprint": fingerprint(launch, base)}
-        try:
-            self._write(data)
-        except OSError as e:
-            self._unsaved(data, e, "the KV budget",
-                          "it applies to this supervisor's next starts only")
-            return False
-        self._saved("the KV budget")
-        return True
+        return self.state.write(data, "the KV budget",
+                                "it applies to this supervisor's next starts only")
 
     def forget(self, given: int | None) -> bool:
         """A start given the budget failed: the next one profiles again."""
@@ -143,30 +126,9 @@ class KvBudget:
         except FileNotFoundError:
             pass
         except OSError as e:
-            self._unsaved({}, e, "the KV budget's removal",
-                          "this supervisor profiles again; the next qwen4090 may use the old "
-                          "budget once (a start with it that fails forgets it)")
+            self.state.unsaved({}, e, "the KV budget's removal",
+                               "this supervisor profiles again; the next qwen4090 may use the "
+                               "old budget once (a start with it that fails forgets it)")
             return True
-        with _unsaved_lock:
-            _unsaved.pop(self.path, None)
-        self._saved("the KV budget's removal")
+        self.state.saved("the KV budget's removal")
         return True
-
-    def _write(self, data: dict[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        atomicfile.write_text(self.path, json.dumps(data, indent=2, sort_keys=True) + "\n")
-        with _unsaved_lock:
-            _unsaved.pop(self.path, None)
-
-    def _unsaved(self, data: dict[str, Any], e: OSError, what: str, then: str) -> None:
-        with _unsaved_lock:
-            _unsaved[self.path] = data
-        if atomicfile.FAILURES.failed(self.path):
-            self.log.warning("state_not_saved", path=str(self.path), what=what,
-                             cause=atomicfile.cause(e),
-                             hint=f"free space in {self.path.parent} or make it writable for "
-                                  f"the service user; until then {then}")
-
-    def _saved(self, what: str) -> None:
-        if atomicfile.FAILURES.saved(self.path):
-            self.log.info("state_saved", path=str(self.path), what=what)

@@ -17,8 +17,6 @@ ours; issue 18.1) costs only the file: the value is kept in this process instead
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,8 +29,6 @@ FILE_NAME = "longest_step.json"
 LOG = logs.get_logger()  # a lazy proxy: the configuration in effect at each call
 
 # What could not be written stays here for the life of this process (keyed by path).
-_unsaved: dict[Path, dict[str, Any]] = {}
-_unsaved_lock = threading.Lock()
 
 
 def settings(cfg: Config) -> dict[str, Any]:
@@ -54,7 +50,7 @@ class StepStore:
                  log: Any = LOG) -> None:
         self.path = Path(directory) / FILE_NAME
         self.wall = wall
-        self.log = log
+        self.state = atomicfile.JsonState(self.path, log)
 
     @classmethod
     def of(cls, cfg: Config, log: Any = LOG) -> StepStore:
@@ -62,14 +58,8 @@ class StepStore:
         return cls(learned.state_dir(cfg), log=log)
 
     def read(self) -> dict[str, Any]:
-        with _unsaved_lock:
-            if self.path in _unsaved:
-                return dict(_unsaved[self.path])
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}  # missing, unreadable or torn: nothing measured
-        return data if isinstance(data, dict) else {}
+        """What is on disk (or kept in this process); {} when nothing was measured."""
+        return self.state.read()
 
     def measured(self, cfg: Config) -> float | None:
         """The seconds of the longest step measured with ``cfg``'s settings, or None."""
@@ -84,22 +74,5 @@ class StepStore:
         """Keep the last measurement; True when it is on disk."""
         data = {"version": 1, "seconds": round(seconds, 4), "prompt_tokens": tokens,
                 "time": round(self.wall(), 3), "settings": settings(cfg)}
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            atomicfile.write_text(self.path, json.dumps(data, indent=2, sort_keys=True) + "\n")
-        except OSError as e:
-            with _unsaved_lock:
-                _unsaved[self.path] = data
-            if atomicfile.FAILURES.failed(self.path):
-                self.log.warning("state_not_saved", path=str(self.path),
-                                 what="the longest engine step",
-                                 cause=atomicfile.cause(e),
-                                 hint=f"free space in {self.path.parent} or make it writable "
-                                      "for the service user; until then check-config cannot "
-                                      "hold watch.hang_timeout against it")
-            return False
-        with _unsaved_lock:
-            _unsaved.pop(self.path, None)
-        if atomicfile.FAILURES.saved(self.path):
-            self.log.info("state_saved", path=str(self.path), what="the longest engine step")
-        return True
+        return self.state.write(data, "the longest engine step",
+                                "check-config cannot hold watch.hang_timeout against it")

@@ -82,7 +82,7 @@ def test_a_kv_budget_saved_again_after_the_disk_is_freed(
     monkeypatch.undo()
     assert KvBudget(tmp_path, log=log).record(first.config, first.kv_base, READY)
     assert log.names() == ["state_not_saved", "state_saved"]
-    assert kvbudget._unsaved.get(tmp_path / kvbudget.FILE_NAME) is None
+    assert atomicfile._unsaved.get(tmp_path / kvbudget.FILE_NAME) is None
     assert KvBudget(tmp_path).read()["kv_cache_memory_bytes"] == 4 * GIB
 
 
