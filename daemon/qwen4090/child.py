@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ipaddress
 import os
 import subprocess
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -243,22 +242,6 @@ class VllmChild:
         """
         return not any(t.is_alive() for t in self._readers)
 
-    def client_connections(self, port: int) -> int | None:
-        """Established client connections to vLLM's ``port``; None = cannot tell.
-
-        Read from the kernel's socket tables in one pass (/proc/net/tcp, tcp6), not process by
-        process through psutil: under load that walk of every process and every descriptor
-        did not finish within a 3 s drain (seen in CI).  Whoever listens on the port is our
-        child (the supervisor checks that separately).  Connections from our own process (a
-        probe, the canary) are not clients.
-        """
-        tables = _read_tcp_tables()
-        try:
-            own = _own_socket_inodes()
-        except OSError:
-            return None
-        return count_clients(port, tables, own) if tables else None
-
     def oom_evidence(self) -> str | None:
         """What the kernel says about an OOM kill of this tree (cgroup counter, kernel log)."""
         return oom_evidence(self.oom_kills_at_start, oom_kill_count(),
@@ -366,64 +349,6 @@ def kernel_oom_line(pid: int, kmsg: str = "/dev/kmsg", limit: int = 20000) -> st
     finally:
         os.close(fd)
     return found
-
-
-# --- the kernel's TCP tables (proc(5): /proc/net/tcp) -------------------------------------
-
-_ESTABLISHED = "01"
-
-
-def _hex_endpoint(text: str) -> tuple[str, int]:
-    """'0100007F:1F40' -> ('127.0.0.1', 8000); IPv6 in tcp6's four host-order words."""
-    addr, port = text.split(":")
-    raw = bytes.fromhex(addr)
-    if len(raw) == 4:
-        ip = str(ipaddress.IPv4Address(raw[::-1]))
-    else:
-        words = b"".join(raw[k:k + 4][::-1] for k in range(0, 16, 4))
-        v6 = ipaddress.IPv6Address(words)
-        ip = str(v6.ipv4_mapped) if v6.ipv4_mapped else str(v6)
-    return ip, int(port, 16)
-
-
-def count_clients(port: int, tables: Iterable[str], own_inodes: set[str]) -> int:
-    """Established connections whose local port is ``port`` and whose peer is not one of our
-    own sockets (pure: the tables' text and our socket inodes in)."""
-    server_side: set[tuple[tuple[str, int], tuple[str, int]]] = set()
-    ours: set[tuple[str, int]] = set()
-    for table in tables:
-        for line in table.splitlines()[1:]:
-            f = line.split()
-            if len(f) < 10 or f[3] != _ESTABLISHED:
-                continue
-            try:
-                local, remote = _hex_endpoint(f[1]), _hex_endpoint(f[2])
-            except ValueError:
-                continue
-            if f[9] in own_inodes:
-                ours.add(local)
-            if local[1] == port:
-                server_side.add((local, remote))
-    return sum(1 for _, peer in server_side if peer not in ours)
-
-
-def _read_tcp_tables() -> list[str]:
-    tables = []
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        # no IPv6 in this kernel: no table
-        with contextlib.suppress(OSError), open(name, encoding="ascii", errors="replace") as fh:
-            tables.append(fh.read())
-    return tables
-
-
-def _own_socket_inodes() -> set[str]:
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    return inodes
 
 
 def tcp_connections(proc: psutil.Process) -> list[Any]:

@@ -24,8 +24,10 @@ from qwen4090 import (
     bench,
     caches,
     child,
+    front,
     httpapi,
     instance,
+    launch,
     logs,
     plancmd,
     preimport,
@@ -39,11 +41,11 @@ from qwen4090 import (
 from qwen4090 import config as config_mod
 from qwen4090.commands import config_arg, config_error
 from qwen4090.config import Config, ConfigError
-from qwen4090.contracts import Launch, LogLike, Parts
+from qwen4090.contracts import FrontLike, Launch, LogLike, NoFront, Parts
 from qwen4090.events import Event, Listener, Reloaded, Transition
 from qwen4090.gpu import GpuParts
 from qwen4090.notify import Notifier
-from qwen4090.policy import EX_CONFIG, EX_SOFTWARE, EXIT_CODES
+from qwen4090.policy import EX_CONFIG, EX_SOFTWARE, EX_TEMPFAIL, EXIT_CODES
 from qwen4090.probes.http import VllmProbe
 from qwen4090.redact import safe_error
 from qwen4090.states import State
@@ -149,6 +151,23 @@ def serve(args: argparse.Namespace, wake: signals.Wakeup, pending: deque[int]) -
         return EX_CONFIG
     child.become_subreaper()
     notifier = Notifier(on_error=lambda msg: log.warning("notify_failed", error=msg))
+    # The client port first: a client that comes while vLLM starts waits instead of being
+    # refused (issue 20).
+    door = open_front(cfg, log, notifier.extend_timeout,
+                      stopping=lambda: any(s in signals.STOPS for s in pending))
+    if door is None:
+        inst.close(group_gone=True)
+        return EX_TEMPFAIL
+    try:
+        return serve_with(args, cfg, log, inst, notifier, door, wake, pending)
+    finally:
+        if isinstance(door, front.Front):
+            door.stop()
+
+
+def serve_with(args: argparse.Namespace, cfg: Config, log: LogLike, inst: instance.Instance,
+               notifier: Notifier, door: FrontLike, wake: signals.Wakeup, pending: deque[int]
+               ) -> int:
     gpu = GpuParts(log)
     why = gpu.wait_for_driver(cfg, notifier.extend_timeout,
                               stopping=lambda: any(s in signals.STOPS for s in pending))
@@ -180,12 +199,19 @@ def serve(args: argparse.Namespace, wake: signals.Wakeup, pending: deque[int]) -
         notifier=notifier,
         executor=ThreadRunner(wake.wake),
         log=log,
+        front=door,
+        runtime_of=launch.runtime_of,
     )
     sup = Supervisor(cfg, parts, signals=pending)
     parts.listeners += [watch, prepare_next(sup, pre)]
+    if isinstance(door, front.Front):
+        parts.listeners.append(front.steer(door))
     gpu.start_watch(cfg, gpu_fault, sup.report_gpu_sample)  # samples: /status, /metrics
-    api = start_status(sup, log, sources=[watch, pre])  # /status, /metrics, /livez, /readyz
-    parts.listeners.append(reload_fanout(sup, gpu, api, gpu_fault))
+    sources: list[httpapi.StatusSource] = [watch, pre]
+    if isinstance(door, front.Front):
+        sources.append(door)
+    api = start_status(sup, log, sources=sources)  # /status, /metrics, /livez, /readyz
+    parts.listeners.append(reload_fanout(sup, gpu, api, gpu_fault, door))
     try:
         loop(sup, api, notifier, wake, log)
     except Exception as e:
@@ -203,6 +229,41 @@ def serve(args: argparse.Namespace, wake: signals.Wakeup, pending: deque[int]) -
         time.sleep(NOTIFY_RETRY)
     log.info("exiting", exit_code=code, state=sup.state.value)
     return code
+
+
+FRONT_BIND_RETRY = 1.0  # seconds between tries to bind the client port while it is taken
+
+
+def open_front(cfg: Config, log: LogLike, extend: Callable[[float], object],
+               stopping: Callable[[], bool], sleep: Callable[[float], None] = time.sleep
+               ) -> FrontLike | None:
+    """The front on vllm.host:vllm.port (front.enabled), or NoFront; None when the port stayed
+    taken for restart.port_wait (said in the journal with who holds it) or a stop came."""
+    if not cfg.front.enabled:
+        return NoFront()
+    v = cfg.vllm
+    door = front.Front((v.host, v.port), ("127.0.0.1", cfg.front.engine_port),
+                       cfg.front.hold_timeout, log)
+    until = time.monotonic() + cfg.restart.port_wait
+    said = False
+    while True:
+        try:
+            door.start()
+            return door
+        except OSError as e:
+            holder = instance.port_holders(v.host, v.port)
+            if time.monotonic() >= until or stopping():
+                log.error("front_port_busy", port=f"{v.host}:{v.port}", holder=holder,
+                          error=safe_error(e), waited=cfg.restart.port_wait,
+                          hint="stop what holds vllm.port (a vLLM started by hand?), or "
+                               "choose another vllm.port")
+                return None
+            if not said:
+                log.warning("front_port_wait", port=f"{v.host}:{v.port}", holder=holder,
+                            error=safe_error(e), wait=cfg.restart.port_wait)
+                said = True
+            extend(cfg.restart.port_wait + 30)
+            sleep(FRONT_BIND_RETRY)
 
 
 def loop(sup: Supervisor, api: httpapi.StatusApi, notifier: Notifier, wake: signals.Wakeup,
@@ -290,9 +351,11 @@ def start_status(sup: httpapi.ServedSupervisor, log: LogLike,
 
 
 def reload_fanout(sup: Supervisor, gpu: GpuParts, api: httpapi.StatusApi,
-                  on_gpu_fault: Callable[[str], None]) -> Listener:
+                  on_gpu_fault: Callable[[str], None], door: FrontLike | None = None
+                  ) -> Listener:
     """A supervisor listener that redoes, after a reload, what cmd_run set up from a changed
-    section: logging ([log]), the GPU watch ([gpu]) and the status endpoint ([status]).  The
+    section: logging ([log]), the GPU watch ([gpu]), the status endpoint ([status]) and the
+    front's hold_timeout ([front]: the supervisor refuses a change of its address).  The
     supervisor itself reads every other setting from its current config."""
     def on_event(event: Event) -> None:
         if not isinstance(event, Reloaded):
@@ -312,6 +375,9 @@ def reload_fanout(sup: Supervisor, gpu: GpuParts, api: httpapi.StatusApi,
         if "status" in changed:
             api.stop()
             api.serve(cfg.status)
+        if "front" in changed and isinstance(door, front.Front):
+            door.hold_timeout = cfg.front.hold_timeout
+            sup.log.info("front_reconfigured", hold_timeout=door.hold_timeout)
     return on_event
 
 

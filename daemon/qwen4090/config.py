@@ -232,6 +232,19 @@ class StatusConfig:
 
 
 @dataclass(frozen=True)
+class FrontConfig:
+    enabled: bool = opt(True, "qwen4090 owns the client port (vllm.host:vllm.port): requests "
+                              "wait while vLLM restarts, and one whose engine failed before "
+                              "answering is sent again; vLLM itself listens on "
+                              "127.0.0.1:front.engine_port")
+    engine_port: int = opt(18000, "loopback port vLLM listens on behind the front; when unset, "
+                                  "vllm.port + 10000", min=1, max=65535)
+    hold_timeout: float = opt(120.0, "seconds a request may wait for vLLM to serve (a restart "
+                                     "or a start); past it, 503 with Retry-After", min=0,
+                              max=3600)
+
+
+@dataclass(frozen=True)
 class GpuConfig:
     enabled: str = opt("auto", "GPU checks: auto (when NVML is present), required (wait for the "
                                "driver, never start without it) or off", choices=("auto",
@@ -276,13 +289,14 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     status: StatusConfig = field(default_factory=StatusConfig)
+    front: FrontConfig = field(default_factory=FrontConfig)
     # Where the config came from (not a key): the main file and the drop-ins read.
     sources: tuple[str, ...] = field(default=(), compare=False)
 
 
 SECTIONS: dict[str, type] = {"vllm": VllmConfig, "warmup": WarmupConfig, "watch": WatchConfig,
             "restart": RestartConfig, "stop": StopConfig, "log": LogConfig,
-            "status": StatusConfig, "gpu": GpuConfig}
+            "status": StatusConfig, "gpu": GpuConfig, "front": FrontConfig}
 
 # Sections whose change needs a new vLLM process; the rest apply live on SIGHUP.
 RESTART_SECTIONS = ("vllm",)
@@ -658,6 +672,12 @@ RULES: tuple[Rule, ...] = (
     Rule("status.port", "must differ from vllm.port while status.enabled",
          lambda c: not c.status.enabled or c.status.port != c.vllm.port,
          lambda c: f"{c.status.port}, the same as vllm.port"),
+    Rule("front.engine_port", "differ from vllm.port and status.port while "
+                              "front.enabled",
+         lambda c: not c.front.enabled or c.front.engine_port not in (
+             c.vllm.port, c.status.port if c.status.enabled else -1),
+         lambda c: f"{c.front.engine_port}, the same as "
+                   f"{'vllm.port' if c.front.engine_port == c.vllm.port else 'status.port'}"),
     Rule("gpu.device", "at most 63 also when it follows vllm.env.CUDA_VISIBLE_DEVICES",
          lambda c: c.gpu.device <= 63,  # qwen4090.derived sets it after the range check
          lambda c: f"{c.gpu.device} (from vllm.env.CUDA_VISIBLE_DEVICES = "

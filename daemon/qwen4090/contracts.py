@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from qwen4090.config import Config
 from qwen4090.events import Listener
+from qwen4090.front import FrontSample
 from qwen4090.instance import PortOwner, UncheckedPorts
 from qwen4090.launch import Launch, configured
 from qwen4090.policy import ExitVerdict
@@ -26,7 +27,8 @@ from qwen4090.preflight import PreflightResult
 from qwen4090.probes.http import CompletionResult, HealthResult, MetricsResult, ProbeLike
 from qwen4090.warmup import WarmupResult
 
-__all__ = ["ChildLike", "CompletionResult", "ExecutorLike", "GpuLike", "HealthResult",
+__all__ = ["ChildLike", "CompletionResult", "ExecutorLike", "FrontLike", "FrontSample",
+           "GpuLike", "HealthResult",
            "Launch", "LogLike", "MetricsResult", "NoGpu", "NotifierLike", "Parts", "PortOwner",
            "PortsLike", "PreflightResult", "ProbeLike", "WarmupResult"]
 
@@ -55,7 +57,6 @@ class ChildLike(Protocol):
     def group_alive(self) -> bool: ...
     def group_members(self) -> list[int]: ...
     def engine_pids(self) -> list[int]: ...
-    def client_connections(self, port: int) -> int | None: ...
     def oom_evidence(self) -> str | None: ...
     # What vLLM said of its KV cache: (tokens, bytes), each None until it said so.
     def kv_cache(self) -> tuple[int | None, int | None]: ...
@@ -133,6 +134,20 @@ class NoGpu:
         return None
 
 
+class FrontLike(Protocol):
+    """The client port (front.Front): its counts, for the drain and the hang detector.  It is
+    steered by listening to the supervisor's transitions (front.steer)."""
+
+    def sample(self) -> FrontSample | None: ...
+
+
+class NoFront:
+    """No front (front.enabled = false, and the state machine's tests): clients talk to vLLM."""
+
+    def sample(self) -> FrontSample | None:
+        return None
+
+
 @dataclass
 class Parts:
     """Everything the supervisor drives, built by cli.py (or a test)."""
@@ -151,3 +166,7 @@ class Parts:
     listeners: list[Listener] = field(default_factory=list)
     gpu: GpuLike = field(default_factory=NoGpu)
     ports: PortsLike = field(default_factory=UncheckedPorts)
+    front: FrontLike = field(default_factory=NoFront)
+    # "vllm 0.26.0" in vllm.command's venv now ("" = cannot tell): a reload after a runtime
+    # upgrade restarts vLLM on the new one (launch.runtime_of)
+    runtime_of: Callable[[Config], str] = lambda cfg: ""

@@ -3,6 +3,8 @@ only their own vLLM port and GPU in their config.
 
 - ``status.port``, when no file sets it, is ``vllm.port + 90`` (8090 for vLLM's 8000, 8091 for
   8001): instances, which must differ in vllm.port anyway, never collide on the status port.
+- ``front.engine_port``, when no file sets it, is ``vllm.port + 10000`` (18000 for 8000): where
+  vLLM listens behind the front (front.py).
 - ``gpu.device`` is NVML's index, which ignores ``CUDA_VISIBLE_DEVICES``: when
   ``vllm.env.CUDA_VISIBLE_DEVICES`` names GPUs by index, vLLM uses the first of them, so
   gpu.device follows it when unset, and a different explicit gpu.device is a config error.
@@ -20,12 +22,20 @@ from __future__ import annotations
 from collections.abc import Container
 
 STATUS_PORT_OFFSET = 90
+ENGINE_PORT_OFFSET = 10000
 MAX_PORT = 65535
 
 
 def default_status_port(vllm_port: int) -> int:
     port = vllm_port + STATUS_PORT_OFFSET
     return port if port <= MAX_PORT else vllm_port - STATUS_PORT_OFFSET
+
+
+def default_engine_port(vllm_port: int) -> int:
+    """Where vLLM listens behind the front: 18000 for 8000 (instances differ in vllm.port, so
+    they differ here too)."""
+    port = vllm_port + ENGINE_PORT_OFFSET
+    return port if port <= MAX_PORT else vllm_port - ENGINE_PORT_OFFSET
 
 
 def cuda_visible_indices(value: str) -> list[int] | None:
@@ -61,6 +71,8 @@ def values(given: Container[str], vllm_port: int, cuda_visible: str | None, gpu_
     out: dict[str, int] = {}
     if "status.port" not in given:
         out["status.port"] = default_status_port(vllm_port)
+    if "front.engine_port" not in given:
+        out["front.engine_port"] = default_engine_port(vllm_port)
     device, error = device_for(gpu_device if "gpu.device" in given else None, cuda_visible)
     if error is not None:
         return {}, ("gpu.device", error)

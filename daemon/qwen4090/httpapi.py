@@ -340,6 +340,12 @@ def render_html(doc: Mapping[str, Any]) -> str:
     hist = [[_iso(float(h["wall_time"])), h["cause"], "yes" if h["counted"] else "no",
              h["detail"]] for h in reversed(doc.get("history") or [])]
     vm = doc.get("vllm_metrics") or {}
+    front = doc.get("front") or {}
+    frows = [[k, front[k]] for k in ("listen", "engine", "open", "draining", "in_flight",
+                                     "holding", "unanswered", "oldest_unanswered_seconds",
+                                     "requests", "held", "replayed", "hold_timeouts",
+                                     "stream_errors", "failed", "refused", "queue_seconds",
+                                     "hold_timeout") if k in front]
     config = json.dumps(doc.get("config"), indent=1, sort_keys=True)
     warm_note = "" if not warm else (f"<p>{'ok' if warm.get('ok') else 'FAILED'} in "
                                      f"{warm.get('seconds')} s {e(warm.get('error') or '')}</p>")
@@ -364,6 +370,8 @@ pre{{background:#f6f8fa;padding:.6em;overflow:auto;font-size:12px}}
 <h2>GPU</h2>
 {table(["gpu", *gkeys], [[i, *[g.get(k, "") for k in gkeys]] for i, g in enumerate(gpus)],
        "no GPU sample")}
+<h2>Client port (front)</h2>
+{table(["", ""], frows, "no front: clients talk to vLLM directly (front.enabled = false)")}
 <h2>vLLM (last poll)</h2>
 {table(["metric", "value"], [[k, v] for k, v in sorted(vm.items())], "no metrics yet")}
 <h2>Restart history</h2>

@@ -6,7 +6,8 @@ without anything else happening), and the supervisor's loop sleeps until the ear
 a new judge cannot forget to wake the loop.  Shaped after :class:`policy.HangDetector`.
 
 - :class:`KillSchedule` — SIGTERM sent; when SIGKILL is due, and why.
-- :class:`Drain` — SIGTERM asked for a drain: which sample to take next, and when it is over.
+- :class:`Drain` — SIGTERM asked for a drain: the front's count (or vLLM's gauges), and when
+  it is over.
 - :class:`ServingSchedule` — while serving: when the next /health+/metrics poll and the next
   canary are due (the hang detector's deadline brings a poll forward), and the window in which
   failing /health probes are counted.
@@ -76,16 +77,15 @@ class KillSchedule:
 class Drain:
     """SIGTERM while serving: wait (up to ``deadline``) until no client waits for an answer.
 
-    A sample has two parts taken in turn, never at once (the gauges' own connection must not
-    be counted as a client): the client connections to vLLM's port (local and quick), then the
-    engine's running/waiting gauges (an answer from an API server that may be busy).  Each
-    part replaces its own last value; what cannot be told stays "busy" (policy.drain_busy).
+    With the front, its count of requests in flight is read at each step (exact and local:
+    :meth:`on_clients`); without it, the engine's running/waiting gauges are asked every
+    STOP_POLL_INTERVAL (a job: an answer from an API server that may be busy).  What cannot be
+    told stays "busy" (policy.drain_busy).
     """
 
     deadline: float
     next_poll: float
     sample: DrainSample | None = None
-    counted: bool = False  # the gauges were read since the last connection count
 
     def over(self, now: float, exited: bool) -> tuple[bool, bool, bool]:
         """(over, busy, expired): over when nobody waits, the deadline passed or vLLM exited."""
@@ -93,28 +93,18 @@ class Drain:
         expired = now >= self.deadline
         return (not busy or expired or exited), busy, expired
 
-    def next_look(self, now: float, in_flight: bool) -> str | None:
-        """"drain" (count connections) or "drain_gauges" when a look is due and none is in
-        flight; advances the schedule when due."""
+    def gauges_due(self, now: float, in_flight: bool) -> bool:
+        """Without the front: whether to ask the gauges now (advances the schedule)."""
         if now < self.next_poll:
-            return None
+            return False
         self.next_poll = now + STOP_POLL_INTERVAL
-        if in_flight:
-            return None
-        if self.sample is None or self.counted:
-            self.counted = False
-            return "drain"
-        return "drain_gauges"
+        return not in_flight
 
-    def on_connections(self, now: float, connections: int | None) -> None:
-        last = self.sample or DrainSample(None, None, None)
-        self.sample = DrainSample(connections, last.running, last.waiting)
-        self.next_poll = now  # the gauges next, at once
+    def on_clients(self, clients: int) -> None:
+        self.sample = DrainSample(clients, None, None)
 
     def on_gauges(self, running: float | None, waiting: float | None) -> None:
-        last = self.sample or DrainSample(None, None, None)
-        self.sample = DrainSample(last.connections, running, waiting)
-        self.counted = True  # a count next
+        self.sample = DrainSample(None, running, waiting)
 
     def next_deadline(self) -> float:
         return min(self.deadline, self.next_poll)

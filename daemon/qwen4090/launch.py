@@ -8,7 +8,8 @@ fingerprint and the same argv.  Each step works on the result of the one before:
 2. the OOM limits learned from earlier restarts (learned.json), for this model and GPU only;
 3. "auto" limits chosen by the KV-cache plan (plan.py), when the GPU and the model are known
    and ``gpu.enabled`` is not "off" (with it off the plan is only shown, never applied);
-4. the fixed KV budget of the last good start (``restart.fixed_kv_budget``, kvbudget.py).
+4. the fixed KV budget of the last good start (``restart.fixed_kv_budget``, kvbudget.py);
+5. the address: behind the front (``front.enabled``), vLLM listens on 127.0.0.1:engine_port.
 
 :func:`resolve` is pure (facts in, a :class:`Launch` out); :func:`read_facts` does the I/O.
 The commands that show and reset what a launch gets, ``plan`` and ``reset-learned``, are
@@ -17,6 +18,7 @@ plancmd.py's.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -74,6 +76,7 @@ class Launch:
     learned: tuple[str, ...] = ()  # one line per learned value applied or ignored
     kv_budget: int | None = None  # --kv-cache-memory-bytes given to this launch
     kv_note: str | None = None  # the budget given, or why the remembered one was not
+    runtime: str = ""  # "vllm 0.26.0": what vllm.command's venv held at the launch
 
     @property
     def gpu_name(self) -> str:
@@ -99,8 +102,7 @@ def read_facts(cfg: Config, env: Mapping[str, str], gpu: GpuMemory | str | None 
         model = read_model(cfg) if isinstance(gpu, GpuMemory) else "no GPU to plan for"
     state = learned.state_dir(cfg, env)
     kv = kvbudget.KvBudget(state).read() if cfg.restart.fixed_kv_budget else {}
-    return Facts(gpu, model, learned.LearnedStore(state).read(), kv,
-                 runtime_of(cfg) if cfg.restart.fixed_kv_budget else "")
+    return Facts(gpu, model, learned.LearnedStore(state).read(), kv, runtime_of(cfg))
 
 
 def runtime_of(cfg: Config) -> str:
@@ -150,10 +152,20 @@ def resolve(cfg: Config, facts: Facts) -> Launch:
     if n is not None:
         settings[KV_KEY] = Setting(n, Origin.KV_BUDGET, kv_note or "")
         chosen = kvbudget.with_budget(chosen, n)
+    chosen = behind_front(chosen)
     return Launch(config=chosen, argv=tuple(render_argv(chosen.vllm)), settings=settings,
                   gpu=facts.gpu, fingerprint=fp, kv_base=kv_base, plan=the_plan,
                   no_plan=no_plan,
-                  learned=tuple(notes), kv_budget=n, kv_note=kv_note)
+                  learned=tuple(notes), kv_budget=n, kv_note=kv_note, runtime=facts.runtime)
+
+
+def behind_front(cfg: Config) -> Config:
+    """With the front on, vLLM listens on 127.0.0.1:front.engine_port and the front on
+    vllm.host:vllm.port (front.py): the launch, its probes and its port checks use the former."""
+    if not cfg.front.enabled:
+        return cfg
+    return dataclasses.replace(cfg, vllm=dataclasses.replace(
+        cfg.vllm, host="127.0.0.1", port=cfg.front.engine_port))
 
 
 def _changed(before: Config, after: Config) -> list[str]:

@@ -338,7 +338,7 @@ class HangDetector:
 class DrainSample:
     """One look at what clients still wait for; None = that source could not tell."""
 
-    connections: int | None  # established client connections to vLLM's port (not ours)
+    clients: int | None  # requests in flight through the front (exact); None: no front
     running: float | None  # vllm:num_requests_running
     waiting: float | None  # vllm:num_requests_waiting
 
@@ -346,13 +346,16 @@ class DrainSample:
 def drain_busy(s: DrainSample | None) -> bool:
     """True while a client may still wait for an answer.
 
-    The engine's gauges miss requests still inside the API server (measured: running 0.0 with
-    8 streams open), so open client connections count too.  Whatever cannot be told counts as
-    busy: the drain deadline, not a failed probe, ends a drain.
+    The front's count is exact: every client request passes it (issue 20.4).  Without the
+    front only vLLM's gauges tell, and they miss requests still inside the API server
+    (measured: running 0.0 with 8 streams open; docs/reliability.md).  Whatever cannot be told
+    counts as busy: the drain deadline, not a failed probe, ends a drain.
     """
-    if s is None or s.connections is None or s.running is None or s.waiting is None:
+    if s is not None and s.clients is not None:
+        return s.clients > 0
+    if s is None or s.running is None or s.waiting is None:
         return True
-    return s.connections > 0 or s.running + s.waiting > 0
+    return s.running + s.waiting > 0
 
 
 def tokens_moved(before: float | None, after: float | None) -> bool:

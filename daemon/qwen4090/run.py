@@ -27,6 +27,7 @@ from qwen4090.config import Config, WatchConfig
 from qwen4090.contracts import (
     ChildLike,
     CompletionResult,
+    FrontSample,
     HealthResult,
     Launch,
     LogLike,
@@ -164,9 +165,7 @@ class Run:
             except Exception as e:
                 self.log.error("probe_crashed", kind=kind, error=safe_error(e, where=True))
                 continue
-            if kind == "drain" and self.drain is not None:
-                self.drain.on_connections(now, result)
-            elif kind == "drain_gauges" and self.drain is not None:
+            if kind == "drain_gauges" and self.drain is not None:
                 self.drain.on_gauges(*result)
             elif not kind.startswith("drain"):
                 yield task, result
@@ -390,9 +389,12 @@ class Run:
                                                   f"{error}", True))
 
     def on_poll(self, now: float, res: tuple[HealthResult, MetricsResult], started: float,
-                state: State, w: WatchConfig, stranger: str | None) -> list[Verdict]:
+                state: State, w: WatchConfig, stranger: str | None,
+                front: FrontSample | None = None) -> list[Verdict]:
         """A /health + /metrics answer (``stranger``: who answered on vLLM's port instead of
-        our vLLM, if anyone): the failing-health window, the hang detector, READY/DEGRADED."""
+        our vLLM, if anyone): the failing-health window, the hang detector, READY/DEGRADED.
+        ``front``: the front's counts at this moment, the better witness of work in flight
+        (issue 20.5: vLLM's gauges can read 0 on a wedged engine)."""
         out = _Verdicts(state)
         health, metrics = res
         if health.ok and stranger is not None:
@@ -412,7 +414,7 @@ class Run:
         stalled = 0.0
         if metrics.ok:
             self.last_metrics, self.metrics_at = metrics, now
-            prog = Progress(metrics.get(RUNNING), metrics.get(WAITING), _progress_of(metrics))
+            prog = _progress(metrics, front)
             hang = self.serving.hang.judge(now, prog)
             stalled = hang.stalled
             if hang.hung:
@@ -484,23 +486,26 @@ class Run:
 
     # --- stopping the group ----------------------------------------------------------------
 
-    def drain_step(self, now: float, timeout: float) -> tuple[str, dict[str, Any]] | None:
-        """While draining: take the next look, or say the drain is over (its hurry and the
-        fields of its log line)."""
+    def drain_step(self, now: float, timeout: float, front: FrontSample | None
+                   ) -> tuple[str, dict[str, Any]] | None:
+        """While draining: take the next look (the front's count, else vLLM's gauges), or say
+        the drain is over (its hurry and the fields of its log line)."""
         assert self.drain is not None
+        if front is not None:
+            self.drain.on_clients(front.in_flight)
         over, busy, expired = self.drain.over(now, self.child.poll() is not None)
         if over:
             sample = self.drain.sample
-            fields = {"busy": busy, "connections": sample.connections if sample else None,
-                      "running": sample.running if sample else None,
-                      "waiting": sample.waiting if sample else None}
+            fields: dict[str, Any] = {"busy": busy}
+            if front is not None:
+                fields["in_flight"] = front.in_flight
+            else:
+                fields.update(running=sample.running if sample else None,
+                              waiting=sample.waiting if sample else None)
             self.drain = None
             return ("the drain deadline passed" if busy and expired else ""), fields
-        kind = self.drain.next_look(now, "drain" in self.tasks or "drain_gauges" in self.tasks)
-        if kind == "drain":
-            self.submit(now, kind, _drain_job(self.child, self.config.vllm.port))
-        elif kind == "drain_gauges":
-            self.submit(now, kind, _drain_gauges_job(self.probe, timeout))
+        if front is None and self.drain.gauges_due(now, "drain_gauges" in self.tasks):
+            self.submit(now, "drain_gauges", _drain_gauges_job(self.probe, timeout))
         return None
 
     def abort(self, now: float, term_timeout: float, hung: bool) -> list[int]:
@@ -610,16 +615,22 @@ def _canary_job(probe: ProbeLike, timeout: float, metrics_timeout: float
                     probe.metrics(metrics_timeout))
 
 
-def _drain_job(child: ChildLike, port: int) -> Callable[[], int | None]:
-    return lambda: child.client_connections(port)
-
-
 def _drain_gauges_job(probe: ProbeLike, timeout: float
                       ) -> Callable[[], tuple[float | None, float | None]]:
     def job() -> tuple[float | None, float | None]:
         m = probe.metrics(timeout)
         return (m.get(RUNNING), m.get(WAITING)) if m.ok else (None, None)
     return job
+
+
+def _progress(m: MetricsResult, front: FrontSample | None) -> Progress:
+    """The engine's work: vLLM's gauges and token counters, and with the front the requests
+    it has at the engine (running) and the answer bytes it has seen (progress too)."""
+    running, waiting, tokens = m.get(RUNNING), m.get(WAITING), _progress_of(m)
+    if front is None:
+        return Progress(running, waiting, tokens)
+    return Progress(max(running, front.in_flight - front.holding), waiting,
+                    tokens + front.bytes_from_engine)
 
 
 def _busy(m: MetricsResult) -> bool:

@@ -112,6 +112,15 @@ def summary(doc: dict[str, Any], now: float | None = None) -> str:
         lines.append(f"  load      {vm.get(RUNNING, 0):g} running, "
                      f"{vm.get(WAITING, 0):g} waiting"
                      + (f", KV cache {kv * 100:.0f}% used" if kv is not None else ""))
+    front = doc.get("front")
+    if front:
+        now_ = ("draining" if front.get("draining") else "open" if front.get("open")
+                else "holding requests")
+        lines.append(f"  clients   {now_}: {front.get('in_flight', 0)} in flight, "
+                     f"{front.get('holding', 0)} held now; since start {front.get('requests')} "
+                     f"requests, {front.get('held')} held, {front.get('replayed')} replayed, "
+                     f"{front.get('hold_timeouts')} timed out, {front.get('stream_errors')} "
+                     "streams ended by an error")
     from qwen4090.httpapi import gpu_list
 
     for i, g in enumerate(gpu_list(doc.get("gpu"))):

@@ -31,6 +31,7 @@ class Facts:
     port: str  # vLLM's host:port
     port_holder: str  # who holds it while preflight waits ("" = not waiting)
     warnings: int = 0  # logged by the running vLLM's preflight (risky settings, the plan)
+    front: Any = None  # front.FrontSample: the client port's counts (None: no front)
 
 
 def render(f: Facts, note: str = "") -> str:
@@ -59,12 +60,16 @@ def render(f: Facts, note: str = "") -> str:
                f"window){tail}"
     elif s == S.STOPPING:
         line = f"stopping: {f.stop_phase} ({int(f.seconds)}s)"
+        if f.stop_phase == "drain" and f.front is not None:
+            line = f"draining: {f.front.in_flight} in flight ({int(f.seconds)}s)"
     elif s == S.FAILED:
         line = f"failed: {f.reason}"[:400]
     elif s == S.PREFLIGHT and f.port_holder:
         line = f"waiting for port {f.port} held by {f.port_holder}"[:400] + tail
     else:
         line = f"{s.value}: {f.reason}"
+    if f.front is not None and f.front.holding and s != S.STOPPING:
+        line += f"; {f.front.holding} request{'s' if f.front.holding > 1 else ''} held"
     return f"{line}; {note}" if note else line
 
 

@@ -41,7 +41,7 @@ from qwen4090.events import (
     Transition,
     WarmedUp,
 )
-from qwen4090.launch import configured
+from qwen4090.launch import behind_front, configured
 from qwen4090.policy import (
     EX_CONFIG,
     EX_GPU,
@@ -108,6 +108,11 @@ class Supervisor:
     def launch_cfg(self) -> Config:
         """The config the current vLLM runs with (auto resolved, learned applied)."""
         return self.launch.config
+
+    @property
+    def engine_cfg(self) -> Config:
+        """The config with vLLM's own address (behind the front: 127.0.0.1:engine_port)."""
+        return behind_front(self.cfg)
 
     @property
     def child(self) -> ChildLike | None:
@@ -227,6 +232,22 @@ class Supervisor:
             if announce:
                 self.p.notifier.ready(self.status_line(now, note="reload refused: " + str(e)))
             return
+        # The front's own address and vLLM's behind it are bound for the daemon's life.
+        moved = [f"front.{k}" for k in ("enabled", "engine_port")
+                 if getattr(new.front, k) != getattr(self.cfg.front, k)]
+        if self.cfg.front.enabled:
+            moved += [f"vllm.{k}" for k in ("host", "port")
+                      if getattr(new.vllm, k) != getattr(self.cfg.vllm, k)]
+        if moved:
+            why = ", ".join(moved)
+            self.log.error("reload_refused", error=f"{why} changed: the client port's owner "
+                                                   "changes only with a restart (systemctl "
+                                                   "restart qwen4090)",
+                           keeping=",".join(self.cfg.sources))
+            if announce:
+                self.p.notifier.ready(self.status_line(now, note=f"reload refused: {why} "
+                                                                 "needs a restart"))
+            return
         changed = changed_sections(self.cfg, new)
         old = self.cfg
         self.cfg = new
@@ -236,12 +257,20 @@ class Supervisor:
         self.log.info("reloaded", changed=",".join(changed) or "nothing",
                       files=",".join(new.sources))
         self.emit(Reloaded(tuple(changed)))
-        if "vllm" in changed and self.state in states.CHILD_STATES:
-            self.log.warning("restart_for_reload", reason="[vllm] settings changed",
+        why = "[vllm] settings changed" if "vllm" in changed else self.runtime_changed(new)
+        if why and self.state in states.CHILD_STATES:
+            self.log.warning("restart_for_reload", reason=why,
                              old_argv_len=len(old.vllm.command))
-            self.fail(now, ExitVerdict(Cause.RELOAD, "[vllm] settings changed", True))
+            self.fail(now, ExitVerdict(Cause.RELOAD, why, True))
         if announce:  # READY=1 ends the reload (the restart, if any, goes on)
             self.p.notifier.ready(self.status_line(now))
+
+    def runtime_changed(self, cfg: Config) -> str:
+        """A new vLLM in vllm.command's venv since the launch (qwen4090 install-runtime
+        switched it): a reload restarts vLLM on it, behind the front a blip (issue 20.6)."""
+        was = self.launch.runtime
+        now = self.p.runtime_of(cfg) if was else ""
+        return f"vLLM runtime changed: {was} -> {now}" if now and now != was else ""
 
     def handle_reports(self, now: float) -> None:
         """What the NVML threads reported: samples go to the listeners (from the loop's
@@ -279,7 +308,7 @@ class Supervisor:
         self.emit(ChildExitSeen(rc))  # recovery: the timeline's fault mark
         # Judged again from the full tail once the group is gone (a surviving EngineCore
         # holds the pipes open: no waiting for them here).
-        verdict = self.port.judge(now, self.cfg, run.exit_verdict())
+        verdict = self.port.judge(now, self.engine_cfg, run.exit_verdict())
         self.log.warning("child_exited", pid=run.child.pid, code=rc, cause=verdict.cause.value,
                          detail=verdict.detail)
         self.fail(now, verdict)
@@ -329,7 +358,7 @@ class Supervisor:
 
     def step_preflight(self, now: float) -> None:
         if self.port.holder:
-            held = self.port.look_again(now, self.cfg, self.p.ports)
+            held = self.port.look_again(now, self.engine_cfg, self.p.ports)
             if isinstance(held, ExitVerdict):
                 self.fail(now, held)
             if held is not False:
@@ -342,7 +371,7 @@ class Supervisor:
             self.give_up(now, EX_CONFIG, str(res.fatal))
             return
         if res.transient is not None:
-            if res.port_holder is not None and self.port.observe(now, self.cfg,
+            if res.port_holder is not None and self.port.observe(now, self.engine_cfg,
                                                                  res.port_holder):
                 return
             self.fail(now, ExitVerdict(Cause.PREFLIGHT, res.transient, True))
@@ -446,7 +475,7 @@ class Supervisor:
         health, metrics, owner = res
         stranger = self.stranger_on_port(owner) if health.ok else None
         self.act(now, run.on_poll(now, (health, metrics), started, self.state, self.cfg.watch,
-                                  stranger))
+                                  stranger, self.p.front.sample()))
 
     def on_canary(self, now: float, res: tuple[MetricsResult, CompletionResult, MetricsResult],
                   started: float) -> None:
@@ -489,7 +518,7 @@ class Supervisor:
         if self.failure is None:
             return
         final = run.final_verdict(self.failure, tail,
-                                  lambda v: self.port.judge(now, self.cfg, v))
+                                  lambda v: self.port.judge(now, self.engine_cfg, v))
         if final != self.failure:
             self.log.warning("exit_classified", cause=final.cause.value, detail=final.detail,
                              was=self.failure.cause.value)
@@ -561,7 +590,7 @@ class Supervisor:
             self.finish_stop(now)
             return
         if run.drain is not None:
-            over = run.drain_step(now, self.cfg.watch.health_timeout)
+            over = run.drain_step(now, self.cfg.watch.health_timeout, self.p.front.sample())
             if over is not None:
                 hurry, fields = over
                 fields["seconds"] = round(now - self.state_since, 2)
@@ -667,5 +696,6 @@ class Supervisor:
             cause=self.failure.cause.value if self.failure else "?",
             failures=self.crashes.budget.count(now), budget=c.restart.budget_failures,
             stop_phase="stop" if run is None else "drain" if run.drain is not None else "term",
-            port=f"{c.vllm.host}:{c.vllm.port}", port_holder=self.port.holder,
-            warnings=run.warnings if run else 0)
+            port=f"{self.engine_cfg.vllm.host}:{self.engine_cfg.vllm.port}",
+            port_holder=self.port.holder, warnings=run.warnings if run else 0,
+            front=self.p.front.sample())

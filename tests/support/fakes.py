@@ -7,7 +7,7 @@ import signal
 from concurrent.futures import Future
 from typing import Any
 
-from qwen4090.contracts import Launch, NoGpu
+from qwen4090.contracts import FrontSample, Launch, NoGpu
 from qwen4090.preflight import PreflightResult
 from qwen4090.probes.http import (
     GENERATION_TOKENS,
@@ -60,7 +60,6 @@ class FakeChild:
         self.tail: list[str] = []
         self.ignores_term = False
         self.engine_alive = True  # an EngineCore is in the group
-        self.connections: int | None = 0  # client connections to vLLM's port
         self.oom: str | None = None  # the kernel's OOM evidence
         self.closed = True  # the output pipes reached EOF
         self.term_stops_engine_only = False  # API server waits for its connections on TERM
@@ -77,9 +76,6 @@ class FakeChild:
 
     def engine_pids(self) -> list[int]:
         return [self.pid + 1000] if self.alive and self.engine_alive else []
-
-    def client_connections(self, port: int) -> int | None:
-        return self.connections
 
     def oom_evidence(self) -> str | None:
         return self.oom
@@ -108,6 +104,20 @@ class FakeChild:
         self.rc, self.alive, self.tail = rc, False, tail or []
 
 
+class FakeFront:
+    """The front's counts, set by the test (front.Front without sockets)."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.holding = 0
+        self.unanswered = 0
+        self.bytes = 0
+
+    def sample(self) -> FrontSample:
+        return FrontSample(self.in_flight, self.holding, self.unanswered, 0.0, self.bytes,
+                           True, False)
+
+
 class FakeProbe:
     def __init__(self) -> None:
         self.healthy = True
@@ -118,12 +128,15 @@ class FakeProbe:
         self.canary_ok = True
         self.canary_error = False  # an error answer (HTTP 500) instead of a timeout
         self.canaries = 0
+        self.metrics_fail = False  # /metrics cannot be read
 
     def health(self, timeout: float) -> HealthResult:
         return HealthResult(self.healthy, 200 if self.healthy else None, 0.001,
                             "" if self.healthy else "connection refused")
 
     def metrics(self, timeout: float) -> MetricsResult:
+        if self.metrics_fail:
+            return MetricsResult(False, {}, 0.001, "connection refused")
         self.tokens += self.tokens_per_metrics
         return MetricsResult(True, {RUNNING: self.running, WAITING: self.waiting,
                                     GENERATION_TOKENS: self.tokens})

@@ -162,8 +162,8 @@ def test_changed_sections() -> None:
     b = config.from_dict({"watch": {"hang_timeout": 15.0}})
     c = config.from_dict({"vllm": {"port": 9}})
     assert changed_sections(a, b) == ["watch"]
-    # status.port follows vllm.port when unset (qwen4090.derived), so it moves along
-    assert changed_sections(a, c) == ["vllm", "status"]
+    # status.port and front.engine_port follow vllm.port when unset (qwen4090.derived)
+    assert changed_sections(a, c) == ["vllm", "status", "front"]
 
 
 def test_read_secret_refuses_loose_permissions(tmp_path: Path) -> None:

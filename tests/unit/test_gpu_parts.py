@@ -14,7 +14,7 @@ import pytest
 from test_supervisor import Harness
 from tests.support.fakes import QWEN3_14B, FakeChild, Log
 
-from qwen4090 import gpu, learned
+from qwen4090 import gpu, launch, learned
 from qwen4090.config import Config, from_dict
 from qwen4090.contracts import NoGpu
 from qwen4090.launch import Launch, configured
@@ -96,7 +96,7 @@ def test_without_nvml_the_checks_step_aside(tmp_path: Path,
     parts = gpu.GpuParts(log, env={})
     cfg = make_cfg(tmp_path, max_model_len=40960)
     launched, res = check(parts, cfg)
-    assert res.ok and launched.config == cfg  # the launch as configured
+    assert res.ok and launched.config == launch.behind_front(cfg)  # as configured
     assert [e for _, e, _ in log.events] == ["gpu_checks_skipped"]
     req = from_dict({**{"vllm": {"model": "/m"}}, "gpu": {"enabled": "required"}})
     assert "GPU not ready" in (check(parts, req)[1].transient or "")

@@ -36,8 +36,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "policy": ("policy", "judges"),
     # what asks vLLM and the GPU, and returns a result
     "probes": ("probes.http", "probes.nvml", "nvml_binding"),
-    # one vLLM process and what runs beside it
-    "engine": ("child", "warmup", "timeline", "preimport", "readahead", "caches"),
+    # one vLLM process and what runs beside it (the front: the client port before it)
+    "engine": ("child", "warmup", "timeline", "preimport", "readahead", "caches", "front"),
     # what vLLM is launched with, and where: the plan, what earlier starts taught, the runtime
     # venv, the checks before a launch, the instance (its lock, its child record, its port)
     "launch": ("launch", "plan", "learned", "kvbudget", "steptime", "ladder", "runtime",

@@ -41,7 +41,8 @@ def test_the_next_launch_gets_the_bytes_of_the_last_good_start(tmp_path: Path) -
     kv = KvBudget(tmp_path)
     c = cfg()
     first = resolve(kv, c)
-    assert (first.config, first.kv_note) == (c, None)  # nothing recorded yet: vLLM profiles
+    # nothing recorded yet: vLLM profiles
+    assert (first.config, first.kv_note) == (launch.behind_front(c), None)
     assert record(kv, first, ready())
     second = resolve(kv, c)
     assert second.config.vllm.extra_args[-2:] == [FLAG, str(4 * GIB)]
@@ -89,10 +90,10 @@ def test_on_by_default_off_when_asked_and_the_sysadmins_own_flag_wins(tmp_path: 
     assert resolve(kv, plain).config.vllm.extra_args[-2:] == [FLAG, str(4 * GIB)]
     off = from_dict({"vllm": {"model": "/m"}, "restart": {"fixed_kv_budget": False}})
     got = resolve(kv, off)
-    assert (got.config, got.kv_note) == (off, None)
+    assert (got.config, got.kv_note) == (launch.behind_front(off), None)
     own = cfg(extra_args=[FLAG + "=123"])
     got = resolve(kv, own)
-    assert (got.config, got.kv_note) == (own, None)
+    assert (got.config, got.kv_note) == (launch.behind_front(own), None)
     assert not record(kv, got, ready())
 
 
@@ -103,7 +104,7 @@ def test_a_failed_start_with_the_budget_forgets_it(tmp_path: Path) -> None:
     assert not kv.forget(first.kv_budget)  # this launch had no budget: nothing to blame it on
     assert kv.forget(resolve(kv, cfg()).kv_budget)
     got = resolve(kv, cfg())
-    assert (got.config, got.kv_note) == (cfg(), None)
+    assert (got.config, got.kv_note) == (launch.behind_front(cfg()), None)
 
 
 def test_the_runtime_is_read_from_the_commands_venv(tmp_path: Path) -> None:
@@ -120,7 +121,7 @@ def test_the_runtime_is_read_from_the_commands_venv(tmp_path: Path) -> None:
 def test_a_torn_file_means_profile(tmp_path: Path) -> None:
     (tmp_path / "kv_budget.json").write_text("{")
     got = resolve(KvBudget(tmp_path), cfg())
-    assert (got.config, got.kv_note) == (cfg(), None)
+    assert (got.config, got.kv_note) == (launch.behind_front(cfg()), None)
     assert not record(KvBudget(tmp_path), got, ready(None))
 
 

@@ -86,11 +86,12 @@ def test_sigkill_names_the_oom_killer_only_with_the_kernels_word() -> None:
 
 def test_drain_counts_connections_and_treats_unknown_as_busy() -> None:
     assert drain_busy(None)  # nothing measured yet
-    assert drain_busy(DrainSample(3, 0.0, 0.0))  # streams in the API server, gauges at 0
-    assert drain_busy(DrainSample(0, 1.0, 0.0)) and drain_busy(DrainSample(0, 0.0, 2.0))
-    assert drain_busy(DrainSample(None, 0.0, 0.0))  # psutil could not tell
-    assert drain_busy(DrainSample(0, None, None))  # /metrics failed
-    assert not drain_busy(DrainSample(0, 0.0, 0.0))
+    assert drain_busy(DrainSample(3, None, None))  # the front: 3 requests in flight
+    assert not drain_busy(DrainSample(0, None, None))  # ... none: the front's count is exact
+    # without the front, vLLM's gauges
+    assert drain_busy(DrainSample(None, 1.0, 0.0)) and drain_busy(DrainSample(None, 0.0, 2.0))
+    assert drain_busy(DrainSample(None, None, None))  # /metrics failed
+    assert not drain_busy(DrainSample(None, 0.0, 0.0))
 
 
 def test_canary_timeout_with_moving_tokens_is_not_a_failure() -> None:

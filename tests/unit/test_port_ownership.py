@@ -156,7 +156,7 @@ def test_a_held_port_is_waited_on_not_counted() -> None:
     busy = h.log.named("port_busy")
     assert len(busy) == 2 and busy[0]["holder"] == STRANGER  # at once, then after 30 s
     assert busy[1]["waited"] >= 30
-    assert f"waiting for port 127.0.0.1:8000 held by {STRANGER}, restarts=0" in h.statuses()
+    assert f"waiting for port 127.0.0.1:18000 held by {STRANGER}, restarts=0" in h.statuses()
     h.ports.held_by = None
     h.step(n=12)
     assert h.log.named("port_free") and h.sup.state == State.READY

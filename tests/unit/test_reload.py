@@ -3,6 +3,7 @@ what a reload changes live (issue 9.5).  Fake clock and fake parts, as in test_s
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from concurrent.futures import Future
 from pathlib import Path
@@ -13,6 +14,7 @@ import structlog
 from test_gpu_joints import CUDA_OOM, FINAL, debian_python, fake_venv, free_port  # noqa: F401
 from test_gpu_parts import GpuHolding, GpuLadder
 from test_supervisor import Harness
+from tests.support.fakes import CheckedGpu
 
 from qwen4090 import cli, gpu, httpapi, logs
 from qwen4090.config import ConfigError, from_dict
@@ -141,6 +143,45 @@ def test_reload_that_restarts_vllm_ends_with_ready_and_no_second_start_ready() -
     assert protocol(h) == ["READY=1", "RELOADING=1", "READY=1"]
     h.run_until(State.READY)
     assert protocol(h) == ["READY=1", "RELOADING=1", "READY=1"]  # none for the new warmup
+
+
+class Runtime(CheckedGpu):
+    """Launches that say which vLLM the venv held (launch.read_facts does, for real)."""
+
+    def __init__(self, version: list[str]) -> None:
+        super().__init__()
+        self.version = version
+
+    def launch(self, cfg: Any) -> Any:
+        return dataclasses.replace(super().launch(cfg), runtime=self.version[0])
+
+
+def test_a_reload_after_a_runtime_upgrade_restarts_vllm_on_it() -> None:
+    # qwen4090 install-runtime switched the venv: the config is the same, vLLM is not (20.6)
+    h = Harness()
+    version = ["vllm 0.26.0"]
+    h.sup.p.gpu = Runtime(version)
+    h.sup.p.runtime_of = lambda cfg: version[0]
+    h.run_until(State.READY)
+    hup(h, cfg_with())
+    assert h.sup.state == State.READY  # nothing changed
+    version[0] = "vllm 0.27.0"
+    hup(h, cfg_with())
+    assert h.sup.state == State.RESTARTING and h.failure.cause is Cause.RELOAD
+    assert "vllm 0.26.0 -> vllm 0.27.0" in h.failure.detail
+    h.run_until(State.READY)
+    assert h.sup.launch.runtime == "vllm 0.27.0"
+    assert h.sup.crashes.budget.count(h.clock.t) == 0  # not a failure
+
+
+def test_a_reload_that_moves_the_client_port_is_refused_behind_the_front() -> None:
+    h = Harness()
+    h.run_until(State.READY)
+    child = h.child
+    hup(h, cfg_with(vllm={"port": 9001}))
+    refused = h.log.named("reload_refused")
+    assert refused and "vllm.port" in refused[-1]["error"] and "restart" in refused[-1]["error"]
+    assert h.sup.cfg.vllm.port == 8000 and h.child is child and h.sup.state == State.READY
 
 
 # --- 9.5: applied live ---------------------------------------------------------------------

@@ -28,6 +28,8 @@ DOC: dict[str, Any] = {
     "vllm_metrics": {"vllm:num_requests_running": 3.0, "vllm:kv_cache_usage_perc": 0.5},
     "gpu": {"index": 0, "memory_used_mib": 20000, "temperature_c": 61.5},
     "preimport": {"pid": 77, "age_s": 30.0, "rss_bytes": 536870912},
+    "front": {"open": True, "draining": False, "in_flight": 5, "holding": 0, "requests": 900,
+              "held": 12, "replayed": 3, "hold_timeouts": 0, "stream_errors": 1},
 }
 
 
@@ -40,7 +42,10 @@ def test_summary_is_compact_and_has_the_facts() -> None:
     assert "60s ago  signal: killed by SIGKILL" in text
     assert "vLLM pre-imported in pid 77 for 30s, 0.5 GiB RAM" in text
     assert "pre-imported" not in statuscmd.summary({**DOC, "preimport": None}, now=1060.0)
-    assert len(text.splitlines()) <= 12
+    assert "clients   open: 5 in flight, 0 held now; since start 900 requests, 12 held, " \
+           "3 replayed, 0 timed out, 1 streams ended by an error" in text
+    assert "clients" not in statuscmd.summary({**DOC, "front": None}, now=1060.0)
+    assert len(text.splitlines()) <= 13
 
 
 @pytest.mark.parametrize(("state", "code"), [("ready", 0), ("degraded", 1), ("warming", 1),

@@ -10,7 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.support.fakes import CheckedGpu, Clock, FakeChild, FakeProbe, Inline, Log, Notifier
+from tests.support.fakes import (
+    CheckedGpu,
+    Clock,
+    FakeChild,
+    FakeFront,
+    FakeProbe,
+    Inline,
+    Log,
+    Notifier,
+)
 
 from qwen4090 import steptime
 from qwen4090 import warmup as warmup_mod
@@ -43,7 +52,7 @@ def warm_ok(cfg: Config, probe: Any, progress: Any) -> WarmupResult:
 
 class Harness:
     def __init__(self, raw: dict[str, Any] | None = None, warmup: Any = warm_ok,
-                 preflight: Any = None, reload_to: Any = None) -> None:
+                 preflight: Any = None, reload_to: Any = None, front: Any = None) -> None:
         base = {"restart": {"backoff_initial": 1.0, "backoff_max": 4.0, "jitter": 0.0,
                             "budget_failures": 3, "budget_window": 600.0},
                 "watch": {"poll_interval": 1.0, "hang_timeout": 10.0, "canary_interval": 5.0,
@@ -64,7 +73,8 @@ class Harness:
             spawn=self.spawn, make_probe=lambda c: self.probe,
             gpu=CheckedGpu(preflight), warmup=warmup,
             load_config=self.load, notifier=self.notifier, executor=self.executor, log=self.log,
-            clock=self.clock, wall=lambda: 0.0, rand=random.Random(0)))
+            clock=self.clock, wall=lambda: 0.0, rand=random.Random(0),
+            **({"front": front} if front is not None else {})))
 
     @property
     def failure(self) -> ExitVerdict:
@@ -251,6 +261,35 @@ def test_hang_detected_within_timeout_plus_two_polls() -> None:
     assert h.log.names().count("hang_detected") == 1
 
 
+def test_a_wedged_engine_whose_gauges_read_zero_is_a_hang_by_the_fronts_count() -> None:
+    # vLLM's gauges can read running=0 on a wedged engine (vLLM PR #46811): the front's
+    # requests at the engine are the witness (issue 20.5); canaries off, so only the hang
+    # detector can see it.
+    front = FakeFront()
+    h = Harness({"watch": {"canary_interval": 0.0}}, front=front)
+    h.run_until(State.READY)
+    front.in_flight, front.bytes = 3, 500
+    h.step(1.0, n=3)
+    assert h.sup.state is State.READY  # bytes flowing: not stalled
+    start = h.clock.t
+    h.run_until(State.RESTARTING, dt=0.25, limit=100)  # bytes and tokens frozen from here
+    assert h.failure.cause is Cause.HANG and "3 running" in h.failure.detail
+    assert h.clock.t - start <= 10.0 + 2 * 1.0
+
+
+def test_answer_bytes_through_the_front_are_progress() -> None:
+    # a long non-streamed answer moves no gauge the detector reads... but its stream did:
+    # bytes seen by the front keep a busy engine from being called hung
+    front = FakeFront()
+    h = Harness({"watch": {"canary_interval": 0.0}}, front=front)
+    h.run_until(State.READY)
+    front.in_flight = 2
+    for _ in range(40):
+        front.bytes += 100
+        h.step(0.5)
+    assert h.sup.state is State.READY and "hang_detected" not in h.log.names()
+
+
 def slow_polls(unhealthy_timeout: float) -> Harness:
     """READY with polls 4 s apart and hang_timeout 10 s (no canary)."""
     h = Harness({"watch": {"poll_interval": 4.0, "hang_timeout": 10.0, "canary_interval": 0.0,
@@ -426,29 +465,56 @@ def test_stop_escalates_to_sigkill_after_term_timeout() -> None:
     assert h.clock.t - term >= 3.0
 
 
-def test_drain_waits_for_client_connections_though_the_gauges_read_zero() -> None:
-    # vLLM's gauges miss requests still in the API server: 8 streams open, running 0.0.
-    h = Harness({"stop": {"drain_timeout": 30.0}})
+def test_drain_waits_for_the_fronts_requests_though_the_gauges_read_zero() -> None:
+    # vLLM's gauges miss requests still in the API server (8 streams open, running 0.0); the
+    # front counts every client request exactly (issue 20.4).
+    front = FakeFront()
+    h = Harness({"stop": {"drain_timeout": 30.0}}, front=front)
     h.run_until(State.READY)
-    h.child.connections = 8
+    front.in_flight = 8
+    jobs: list[str] = []
+
+    def note(fn: Any) -> bool:
+        jobs.append(getattr(fn, "__qualname__", ""))
+        return False
+
+    h.executor.hold = note
     h.sup.deliver(signal.SIGTERM)
     h.step(0.1)
     h.step(0.5, n=20)
     assert h.sup.state == State.STOPPING and h.child.signals == []
     assert "drained" not in h.log.names()
-    h.child.connections = 0
+    assert "draining: 8 in flight" in h.sup.last_status
+    front.in_flight = 0
+    h.step(0.5)
+    assert h.child.signals[:1] == [signal.SIGTERM]
+    drained = next(kw for _, e, kw in h.log.events if e == "drained")
+    assert drained["busy"] is False and drained["in_flight"] == 0
+    assert drained["seconds"] >= 10.0
+    assert not any("_drain_gauges_job" in j for j in jobs)  # the front's count only
+    h.run_until(State.STOPPED)
+
+
+def test_drain_without_the_front_waits_for_the_gauges() -> None:
+    h = Harness({"stop": {"drain_timeout": 30.0}})
+    h.run_until(State.READY)
+    h.probe.running = 2.0
+    h.sup.deliver(signal.SIGTERM)
+    h.step(0.1)
+    h.step(0.5, n=10)
+    assert h.sup.state == State.STOPPING and h.child.signals == []
+    h.probe.running = 0.0
     h.step(0.5, n=3)
     assert h.child.signals[:1] == [signal.SIGTERM]
     drained = next(kw for _, e, kw in h.log.events if e == "drained")
-    assert drained["busy"] is False and drained["connections"] == 0
-    assert drained["seconds"] >= 10.0
+    assert drained["busy"] is False and drained["running"] == 0.0
     h.run_until(State.STOPPED)
 
 
 def test_drain_that_cannot_tell_is_busy_until_the_deadline() -> None:
     h = Harness({"stop": {"drain_timeout": 5.0, "term_timeout": 30.0}})
     h.run_until(State.READY)
-    h.child.connections = None  # psutil cannot see the sockets
+    h.probe.metrics_fail = True  # the gauges cannot be read
     h.child.ignores_term = True
     h.sup.deliver(signal.SIGTERM)
     stop = h.clock.t
@@ -467,38 +533,21 @@ def test_drain_that_cannot_tell_is_busy_until_the_deadline() -> None:
     assert h.clock.t - stop <= 5.0 + 2.0 + 1.0
 
 
-def test_drain_counts_connections_while_the_metrics_probe_hangs() -> None:
+def test_drain_reads_the_front_while_the_metrics_probe_hangs() -> None:
     # A busy API server may not even accept the /metrics connection in time (seen in CI: no
-    # drain sample at all by the deadline); the local connection count must not wait for it.
-    h = Harness({"stop": {"drain_timeout": 3.0, "term_timeout": 30.0}})
+    # drain sample at all by the deadline); the front's count never asks it.
+    front = FakeFront()
+    h = Harness({"stop": {"drain_timeout": 3.0, "term_timeout": 30.0}}, front=front)
     h.run_until(State.READY)
-    h.child.connections = 8
+    front.in_flight = 8
     h.executor.hold = lambda fn: "_drain_gauges_job" in getattr(fn, "__qualname__", "")
     h.sup.deliver(signal.SIGTERM)
     h.step(0.1)
     h.run_until(State.STOPPED, dt=0.25)
     drained = next(kw for _, e, kw in h.log.events if e == "drained")
-    assert drained["busy"] is True and drained["connections"] == 8
-    assert drained["running"] is None and drained["seconds"] >= 3.0
-
-
-def test_drain_count_and_gauges_never_overlap() -> None:
-    # The gauges' own HTTP connection to vLLM must not be counted as a client (seen: 9 for 8).
-    h = Harness({"stop": {"drain_timeout": 3.0, "term_timeout": 30.0}})
-    h.run_until(State.READY)
-    h.child.connections = 8
-    held: list[Any] = []
-    def hold(fn: Any) -> bool:
-        if "_drain_gauges_job" in getattr(fn, "__qualname__", ""):
-            held.append(fn)
-            return True
-        return False
-
-    h.executor.hold = hold
-    h.sup.deliver(signal.SIGTERM)
-    h.step(0.1, n=6)
-    assert len(held) == 1  # in flight: no count is started beside it
-    assert set(h.run.tasks) == {"drain_gauges"}
+    assert drained["busy"] is True and drained["in_flight"] == 8
+    assert drained["seconds"] >= 3.0
+    assert h.executor.held == []  # no gauges asked
 
 
 def test_api_server_waiting_for_connections_after_its_engine_is_gone_is_killed() -> None:

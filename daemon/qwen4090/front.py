@@ -1,0 +1,653 @@
+"""The client port (issue 20): clients talk to qwen4090, which passes each request to vLLM.
+
+vLLM listens where only the front reaches it (127.0.0.1:``front.engine_port``); the front
+listens on ``vllm.host:vllm.port``, the address clients always used.  What it adds to a plain
+proxy is what a restart of vLLM needs:
+
+- **hold**: while vLLM is not serving (starting, restarting after a crash, a hang, an OOM step
+  or a ``[vllm]`` reload), a new request waits for the engine, up to ``front.hold_timeout``;
+  past it, a 503 with Retry-After;
+- **replay**: a request whose engine failed before any byte of its answer reached the client
+  (connection refused or cut, or vLLM's own 5xx while the supervisor declares the engine dead)
+  is sent once more, to the next engine;
+- **a started stream never ends silently**: when the engine dies mid-stream, the client gets an
+  OpenAI-style error event (``data: {"error": ...}``);
+- **exact counts**: requests in flight (the drain waits for them), held, and sent to the engine
+  without a byte back yet (the hang detector's witness: vLLM's own gauges can read 0 on a
+  wedged engine).
+
+The data path is aiohttp (a well-kept HTTP library; Debian: python3-aiohttp) on one event loop
+in its own thread, so the supervisor's loop never delays a byte and a slow client never delays
+the supervisor.  The supervisor steers it from its own thread (:meth:`Front.engine_up`,
+``engine_down``, ``drain``, ``refuse``); everything it reads (:meth:`Front.sample`) is a copy
+taken under a lock.  Why aiohttp and not HAProxy: docs/architecture.md ("The front").
+
+``python -m qwen4090.front --listen HOST:PORT --engine HOST:PORT`` runs the front alone, with the
+engine always up (the cost benchmark, bench/front_cost.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from qwen4090.events import Event, Listener, Transition
+from qwen4090.states import SERVING_STATES, State
+
+# Headers that belong to one connection, not to the request or answer (RFC 9110 7.6.1), and
+# those aiohttp sets itself.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "trailers", "transfer-encoding", "upgrade", "host", "content-length", "date", "server",
+})
+# vLLM's own 5xx answers while its engine dies ("EngineCore encountered an issue"): replayed
+# when the supervisor declares that engine dead within this long, else passed on as they are.
+REPLAY_GRACE = 3.0
+RETRY_AFTER = 5  # seconds a 503 asks the client to wait
+QUEUE_BUCKETS = (0.001, 0.01, 0.1, 1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, math.inf)
+STREAM_DONE = b"data: [DONE]"
+STREAM_ERROR = b'data: {"error"'  # an OpenAI-style error event in a stream
+# vLLM's own end of a request it aborted (its shutdown at a restart; a client that left never
+# gets here): the stream then ends with [DONE], as a good one does
+ABORTED = (b'"finish_reason":"abort"', b'"finish_reason": "abort"')
+CONNECT_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class FrontSample:
+    """The front's counts at one moment (a copy: any thread may read it)."""
+
+    in_flight: int  # requests accepted and not yet answered in full
+    holding: int  # ... of them waiting for an engine now
+    unanswered: int  # sent to the engine, no byte of the answer back yet
+    oldest_unanswered: float  # seconds the oldest of those has waited (0 when none)
+    bytes_from_engine: int  # bytes of answers to POSTs (generation) received from vLLM since
+    #                         the front started: they grow while the engine makes progress
+    #                         (GETs, such as a balancer's /health, are answered by a hung
+    #                         vLLM too)
+    open: bool  # the engine is up: requests pass
+    draining: bool
+
+
+@dataclass
+class Totals:
+    requests: int = 0
+    held: int = 0  # requests that waited for an engine
+    replayed: int = 0  # requests sent a second time after their engine failed
+    hold_timeouts: int = 0  # 503: no engine within hold_timeout
+    refused: int = 0  # 503: draining, or the daemon gave up
+    stream_errors: int = 0  # started streams that ended with an error event (vLLM's or ours)
+    failed: int = 0  # answered with an error by the front (the replay failed too)
+    queue_seconds: float = 0.0  # time requests spent held, in all
+    queue_buckets: list[int] = field(default_factory=lambda: [0] * len(QUEUE_BUCKETS))
+
+
+@dataclass
+class Burst:
+    """What one period without an engine did to clients (one journal line when it ends)."""
+
+    since: float
+    reason: str
+    held: int = 0
+    replayed: int = 0
+    hold_timeouts: int = 0
+    stream_errors: int = 0
+    failed: int = 0
+    longest_wait: float = 0.0
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its answer was being written."""
+
+
+class EngineFailed(Exception):
+    """The engine failed before any byte of the answer reached the client: replayable."""
+
+
+class Front:
+    """The proxy on the client port; start() binds it (OSError when the port is taken)."""
+
+    def __init__(self, listen: tuple[str, int], engine: tuple[str, int], hold_timeout: float,
+                 log: Any, clock: Callable[[], float] = time.monotonic,
+                 engine_up: bool = False) -> None:
+        self.listen, self.engine = listen, engine
+        self.hold_timeout = hold_timeout
+        self.log = log
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._in_flight = 0
+        self._holding = 0
+        self._unanswered: dict[int, float] = {}
+        self._held: dict[int, float] = {}  # waiting for an engine: since when
+        self._bytes = 0
+        self.totals = Totals()
+        # the engine gate, changed on the front's loop only
+        self._open = engine_up
+        self._gen = 1 if engine_up else 0  # counts the engines that served (0: none yet)
+        self._engine_id: object = None  # the supervisor's name for the serving engine
+        self._dead_gen = 0  # the last engine declared dead
+        self._refusing: str | None = None  # why requests get 503 at once (given up)
+        self._draining = False
+        self._changed: asyncio.Condition | None = None
+        self._burst: Burst | None = None if engine_up else Burst(clock(), "starting")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    # --- life --------------------------------------------------------------------------------
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Bind the client port and serve on a thread of its own; OSError when it cannot."""
+        started: list[BaseException | None] = []
+        ready = threading.Event()
+
+        def main() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                loop.run_until_complete(self._start())
+                started.append(None)
+            except BaseException as e:
+                started.append(e)
+                loop.run_until_complete(self._cleanup())
+                loop.close()
+                ready.set()
+                return
+            ready.set()
+            try:
+                loop.run_forever()
+            finally:
+                loop.run_until_complete(self._cleanup())
+                loop.close()
+
+        self._thread = threading.Thread(target=main, name="qwen4090-front", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout):
+            raise OSError(f"the front did not start within {timeout:g}s")
+        if started and started[0] is not None:
+            raise started[0]
+        self.log.info("front_listening", url=f"http://{_host_port(*self.listen)}",
+                      engine=_host_port(*self.engine), hold_timeout=self.hold_timeout)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout)
+
+    async def _start(self) -> None:
+        self._changed = asyncio.Condition()
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT),
+            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        kwargs: dict[str, Any] = {"access_log": None}
+        if _version(aiohttp.__version__) >= (3, 9):
+            # a client that left cancels its request (3.8, Debian 12's, always does)
+            kwargs["handler_cancellation"] = True
+        self._runner = web.AppRunner(app, **kwargs)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.listen[0], self.listen[1],
+                                 reuse_address=True, backlog=1024)
+        await self._site.start()
+
+    async def _cleanup(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    # --- steering (from the supervisor's thread) ---------------------------------------------
+
+    def engine_up(self, generation: object) -> None:
+        """An engine serves (READY; ``generation`` names it, e.g. its pid): held requests go
+        to it."""
+        self._call(self._set_up, generation)
+
+    def engine_down(self, reason: str) -> None:
+        """The engine stops serving (a restart began): requests wait from now on, and one that
+        failed on it is replayed on the next."""
+        self._call(self._set_down, reason)
+
+    def drain(self) -> None:
+        """Stop taking new requests (the listener closes; a request on an open connection gets
+        a 503); those in flight go on."""
+        self._call(self._set_draining)
+
+    def refuse(self, reason: str) -> None:
+        """The daemon gave up: no engine will come, held requests get their 503 now."""
+        self._call(self._set_refusing, reason)
+
+    def sample(self) -> FrontSample:
+        now = self.clock()
+        with self._lock:
+            oldest = now - min(self._unanswered.values()) if self._unanswered else 0.0
+            return FrontSample(self._in_flight, self._holding, len(self._unanswered),
+                               max(0.0, oldest), self._bytes, self._open, self._draining)
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> None:
+        loop = self._loop
+        if loop is not None and loop.is_running():
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(fn(*args)))
+
+    async def _notify(self) -> None:
+        assert self._changed is not None
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _set_up(self, generation: object) -> None:
+        if self._open and generation == self._engine_id:
+            return  # DEGRADED -> READY: the same engine
+        self._open, self._gen, self._engine_id = True, self._gen + 1, generation
+        burst, self._burst = self._burst, None
+        with self._lock:  # those still held are released now; the first came first
+            first = min(self._held.values(), default=None)
+        if burst is not None and first is not None:
+            burst.longest_wait = max(burst.longest_wait, self.clock() - first)
+        if burst is not None and (burst.held or burst.replayed or burst.stream_errors
+                                  or burst.hold_timeouts or burst.failed):
+            self.log.info("front_released", after=round(self.clock() - burst.since, 2),
+                          reason=burst.reason, held=burst.held, replayed=burst.replayed,
+                          hold_timeouts=burst.hold_timeouts,
+                          stream_errors=burst.stream_errors, failed=burst.failed,
+                          longest_wait=round(burst.longest_wait, 2))
+        await self._notify()
+
+    async def _set_down(self, reason: str) -> None:
+        if self._open:
+            self._dead_gen = self._gen
+        self._open = False
+        if self._burst is None:
+            self._burst = Burst(self.clock(), reason)
+            self.log.info("front_holding", reason=reason, in_flight=self._in_flight,
+                          hold_timeout=self.hold_timeout)
+        await self._notify()
+
+    async def _set_draining(self) -> None:
+        if self._draining:
+            return
+        self._draining = True
+        self.log.info("front_draining", in_flight=self._in_flight, holding=self._holding)
+        await self._notify()
+        if self._site is not None:
+            await self._site.stop()  # new connections are refused; open ones stay
+
+    async def _set_refusing(self, reason: str) -> None:
+        self._refusing = reason
+        await self._notify()
+
+    # --- the data path -----------------------------------------------------------------------
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if self._draining or self._refusing is not None:
+            return self._refuse(request)
+        rid = next(self._ids)
+        arrived = self.clock()
+        with self._lock:
+            self._in_flight += 1
+            self.totals.requests += 1
+        try:
+            body = await request.read()
+            return await self._forward(request, rid, arrived, body)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._unanswered.pop(rid, None)
+
+    async def _forward(self, request: web.Request, rid: int, arrived: float, body: bytes
+                       ) -> web.StreamResponse:
+        deadline = arrived + self.hold_timeout
+        after = 0  # an engine newer than this one (after a failure: the next engine)
+        for attempt in (1, 2):
+            gen = await self._wait_for_engine(rid, arrived, deadline, after)
+            if gen is None:
+                return self._hold_timeout(request, arrived)
+            if gen < 0:
+                return self._refuse(request)
+            try:
+                return await self._send(request, rid, gen, body)
+            except EngineFailed as e:
+                with self._lock:
+                    self._unanswered.pop(rid, None)
+                if attempt == 2 or self._refusing is not None:
+                    with self._lock:
+                        self.totals.failed += 1
+                    if self._burst is not None:
+                        self._burst.failed += 1
+                    return _error(502, f"the engine failed twice before answering: {e}",
+                                  "engine_failed")
+                with self._lock:
+                    self.totals.replayed += 1
+                if self._burst is not None:
+                    self._burst.replayed += 1
+                after = gen
+                arrived = self.clock()  # the replay waits for the next engine afresh
+                deadline = arrived + self.hold_timeout
+        raise AssertionError("unreachable")
+
+    async def _wait_for_engine(self, rid: int, arrived: float, deadline: float, after: int
+                               ) -> int | None:
+        """The serving engine's generation (newer than ``after``), None past the deadline, -1
+        when requests are refused."""
+        assert self._changed is not None
+        if self._open and self._gen > after and self._refusing is None:
+            return self._gen
+        with self._lock:
+            self._holding += 1
+            self._held[rid] = arrived
+            self.totals.held += 1
+        if self._burst is not None:
+            self._burst.held += 1
+        try:
+            async with self._changed:
+                while True:
+                    if self._refusing is not None or self._draining:
+                        return -1
+                    if self._open and self._gen > after:
+                        return self._gen
+                    left = deadline - self.clock()
+                    if left <= 0:
+                        return None
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), left)
+        finally:
+            waited = self.clock() - arrived
+            with self._lock:
+                self._holding -= 1
+                self._held.pop(rid, None)
+                t = self.totals
+                t.queue_seconds += waited
+                for i, bound in enumerate(QUEUE_BUCKETS):  # its own bucket; cumulated in
+                    if waited <= bound:                     # _Collector
+                        t.queue_buckets[i] += 1
+                        break
+            if self._burst is not None:
+                self._burst.longest_wait = max(self._burst.longest_wait, waited)
+
+    async def _send(self, request: web.Request, rid: int, gen: int, body: bytes
+                    ) -> web.StreamResponse:
+        assert self._session is not None
+        url = f"http://{_host_port(*self.engine)}{request.rel_url}"
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        with self._lock:
+            self._unanswered[rid] = self.clock()
+        try:
+            upstream = await self._session.request(request.method, url, headers=headers,
+                                                   data=body, allow_redirects=False)
+        except (aiohttp.ClientConnectionError, OSError) as e:
+            raise EngineFailed(_what(e)) from e
+        async with upstream:
+            if upstream.status >= 500 and await self._engine_declared_dead(gen):
+                raise EngineFailed(f"vLLM answered {upstream.status} as its engine died")
+            out_headers = {k: v for k, v in upstream.headers.items()
+                           if k.lower() not in HOP_BY_HOP}
+            if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                try:
+                    data = await upstream.read()
+                except (aiohttp.ClientError, OSError) as e:
+                    raise EngineFailed(_what(e)) from e
+                self._got(rid, len(data), request.method == "POST")
+                return web.Response(status=upstream.status, headers=out_headers, body=data)
+            return await self._stream(request, rid, upstream, out_headers)
+
+    async def _stream(self, request: web.Request, rid: int,
+                      upstream: aiohttp.ClientResponse, headers: dict[str, str]
+                      ) -> web.StreamResponse:
+        chunks = upstream.content.iter_any()
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            raise EngineFailed("the stream ended before its first byte") from None
+        except (aiohttp.ClientError, OSError) as e:
+            raise EngineFailed(_what(e)) from e
+        resp = web.StreamResponse(status=upstream.status, headers=headers)
+        await resp.prepare(request)
+        tail = b""
+        said = aborted = False  # vLLM's own error event / a request it aborted
+
+        async def relay(chunk: bytes) -> None:
+            nonlocal tail, said, aborted
+            self._got(rid, len(chunk), request.method == "POST")
+            said = said or STREAM_ERROR in chunk
+            aborted = aborted or any(a in chunk for a in ABORTED)
+            if aborted and not said and (at := chunk.find(STREAM_DONE)) >= 0:
+                # vLLM aborted it at its shutdown (a restart): an error event before [DONE]
+                await write(chunk[:at] + _stream_error("the engine was stopped during this "
+                                                       "response"))
+                said, chunk = True, chunk[at:]
+            await write(chunk)
+            tail = (tail + chunk)[-64:]
+
+        async def write(data: bytes) -> None:
+            try:
+                await resp.write(data)
+            except (ConnectionError, aiohttp.ClientConnectionError, RuntimeError) as e:
+                raise ClientGone from e
+
+        error = ""
+        try:
+            await relay(first)
+            async for chunk in chunks:
+                await relay(chunk)
+        except ClientGone:
+            return resp  # the client left: vLLM aborts the request when we close ours
+        except (aiohttp.ClientError, OSError) as e:
+            error = _what(e)
+        cut = STREAM_DONE not in tail  # vLLM ends every stream with [DONE], errors too
+        if cut or said:
+            with self._lock:
+                self.totals.stream_errors += 1
+            if self._burst is not None:
+                self._burst.stream_errors += 1
+        if cut:  # the engine went away mid-stream: say so, never a silent cut
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await resp.write(_stream_error(f"the engine stopped during this response "
+                                               f"({error or 'stream cut'})"))
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await resp.write_eof()
+        return resp
+
+    async def _engine_declared_dead(self, gen: int) -> bool:
+        """An error answer of ``gen``: is that engine being restarted (within REPLAY_GRACE)?"""
+        assert self._changed is not None
+        deadline = self.clock() + REPLAY_GRACE
+        async with self._changed:
+            while self._dead_gen < gen and self._refusing is None:
+                left = deadline - self.clock()
+                if left <= 0:
+                    return False
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), left)
+        return self._dead_gen >= gen
+
+    def _got(self, rid: int, n: int, progress: bool) -> None:
+        with self._lock:
+            if progress:
+                self._bytes += n
+            self._unanswered.pop(rid, None)
+
+    def _hold_timeout(self, request: web.Request, arrived: float) -> web.Response:
+        with self._lock:
+            self.totals.hold_timeouts += 1
+        if self._burst is not None:
+            self._burst.hold_timeouts += 1
+        waited = self.clock() - arrived
+        return _error(503, f"no engine is serving: waited {waited:.0f}s (front.hold_timeout "
+                           f"= {self.hold_timeout:g}s); qwen4090 is restarting vLLM",
+                      "engine_unavailable", retry_after=True)
+
+    def _refuse(self, request: web.Request) -> web.Response:
+        with self._lock:
+            self.totals.refused += 1
+        why = "qwen4090 is stopping" if self._draining else \
+            f"qwen4090 gave up: {self._refusing}"
+        resp = _error(503, why, "unavailable", retry_after=True)
+        resp.force_close()
+        return resp
+
+    # --- telling -----------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """/status: the front's counts (httpapi.StatusSource)."""
+        s = self.sample()
+        with self._lock:
+            t = self.totals
+            return {"front": {
+                "listen": _host_port(*self.listen), "engine": _host_port(*self.engine),
+                "open": s.open, "draining": s.draining, "in_flight": s.in_flight,
+                "holding": s.holding, "unanswered": s.unanswered,
+                "oldest_unanswered_seconds": round(s.oldest_unanswered, 2),
+                "requests": t.requests, "held": t.held, "replayed": t.replayed,
+                "hold_timeouts": t.hold_timeouts, "refused": t.refused,
+                "stream_errors": t.stream_errors, "failed": t.failed,
+                "queue_seconds": round(t.queue_seconds, 3),
+                "hold_timeout": self.hold_timeout}}
+
+    def register(self, registry: Any) -> None:
+        """/metrics: the front's families (httpapi.StatusSource)."""
+        registry.register(_Collector(self))
+
+
+class _Collector:
+    def __init__(self, front: Front) -> None:
+        self.front = front
+
+    def collect(self) -> Any:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+        f = self.front
+        s = f.sample()
+        with f._lock:
+            t = Totals(**{k: getattr(f.totals, k) for k in (
+                "requests", "held", "replayed", "hold_timeouts", "refused", "stream_errors",
+                "failed", "queue_seconds")}, queue_buckets=list(f.totals.queue_buckets))
+        yield GaugeMetricFamily("qwen4090_front_in_flight",
+                                "client requests in flight through the front", value=s.in_flight)
+        yield GaugeMetricFamily("qwen4090_front_holding",
+                                "client requests waiting for an engine now", value=s.holding)
+        yield GaugeMetricFamily("qwen4090_front_unanswered",
+                                "requests sent to vLLM with no byte of the answer back yet",
+                                value=s.unanswered)
+        yield GaugeMetricFamily("qwen4090_front_oldest_unanswered_seconds",
+                                "how long the oldest of those has waited",
+                                value=s.oldest_unanswered)
+        yield GaugeMetricFamily("qwen4090_front_open", "1 while an engine takes requests",
+                                value=1.0 if s.open else 0.0)
+        for name, value, help_ in (
+                ("requests", t.requests, "client requests taken"),
+                ("held", t.held, "requests that waited for an engine"),
+                ("replayed", t.replayed, "requests sent again after their engine failed "
+                                         "before answering"),
+                ("hold_timeouts", t.hold_timeouts, "503s: no engine within hold_timeout"),
+                ("refused", t.refused, "503s: stopping, or the daemon gave up"),
+                ("stream_errors", t.stream_errors, "started streams ended with an error event "
+                                                   "because their engine stopped"),
+                ("failed", t.failed, "requests answered with an error after the replay "
+                                     "failed too")):
+            yield CounterMetricFamily(f"qwen4090_front_{name}", help_, value=value)
+        buckets, running = [], 0
+        for bound, n in zip(QUEUE_BUCKETS, t.queue_buckets, strict=True):
+            running += n
+            buckets.append(("+Inf" if math.isinf(bound) else f"{bound:g}", running))
+        yield HistogramMetricFamily("qwen4090_front_queue_seconds",
+                                    "time held requests waited for an engine",
+                                    buckets=buckets, sum_value=t.queue_seconds)
+
+
+def steer(front: Front) -> Listener:
+    """A supervisor listener that opens and closes the front on the supervisor's transitions:
+    into READY (from a state that did not serve) a new engine serves; into RESTARTING the
+    engine stops serving (requests wait; one that fails on it is replayed on the next); into
+    STOPPING the front drains; into FAILED no engine will come (503 at once)."""
+    def on_event(event: Event) -> None:
+        if not isinstance(event, Transition):
+            return
+        if event.dst in SERVING_STATES and event.src not in SERVING_STATES:
+            front.engine_up(object())
+        elif event.dst is State.RESTARTING:
+            front.engine_down(event.reason)
+        elif event.dst is State.STOPPING:
+            front.drain()
+        elif event.dst is State.FAILED:
+            front.refuse(event.reason)
+    return on_event
+
+
+def _stream_error(what: str) -> bytes:
+    """The OpenAI-style error event that ends a stream whose engine stopped."""
+    event = {"error": {"message": f"{what}; qwen4090 is restarting it: send the request "
+                                  "again", "type": "engine_restarted", "param": None,
+                       "code": 503}}
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+def _error(status: int, message: str, kind: str, retry_after: bool = False) -> web.Response:
+    """An OpenAI-style error answer."""
+    headers = {"Retry-After": str(RETRY_AFTER)} if retry_after else {}
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _what(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".strip().rstrip(":")
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(".")[:2] if p.isdigit())
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _addr(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The front alone, its engine always up (for benchmarks)."""
+    from qwen4090 import logs
+
+    p = argparse.ArgumentParser(prog="python -m qwen4090.front", description=main.__doc__)
+    p.add_argument("--listen", type=_addr, required=True, help="HOST:PORT clients use")
+    p.add_argument("--engine", type=_addr, required=True, help="HOST:PORT of vLLM")
+    p.add_argument("--hold-timeout", type=float, default=120.0)
+    args = p.parse_args(argv)
+    logs.setup("keyvalue", "info")
+    front = Front(args.listen, args.engine, args.hold_timeout, logs.get_logger(),
+                  engine_up=True)
+    front.start()
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        front.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

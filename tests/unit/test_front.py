@@ -1,0 +1,377 @@
+"""The front's data path against a scripted upstream on loopback (front.py): pass-through,
+hold, replay, the stream's error event, drain and refuse.  The proof with the real vLLM under
+the real supervisor is tests/integration/test_front.py."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from tests.support.fakes import Log
+
+from qwen4090 import front as front_mod
+from qwen4090.events import Transition
+from qwen4090.front import Front, steer
+from qwen4090.states import State
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(cond: Any, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return bool(cond())
+
+
+class Upstream:
+    """A stand-in vLLM on loopback: ``mode`` says what the next completion request gets."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.mode = "ok"  # ok | die (close before answering) | cut (2 chunks, then close)
+        #                   | 500 | slow (stream 1 chunk per 0.1 s, 10 of them) | stuck
+        self.seen: list[dict[str, Any]] = []
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._main, daemon=True)
+        self.thread.start()
+        assert self.ready.wait(5)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+        self.loop.run_until_complete(site.start())
+        self.ready.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.runner.cleanup())
+        self.loop.close()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        doc = json.loads(body) if body else {}
+        self.seen.append({"path": request.path, "auth": request.headers.get("Authorization"),
+                          "body": doc})
+        mode = self.mode
+        if mode == "die":
+            assert request.transport is not None
+            request.transport.close()
+            await asyncio.sleep(0.05)
+            return web.Response(status=200)
+        if mode == "stuck":  # a wedged engine: no byte back
+            await asyncio.sleep(30)
+        if mode == "500":
+            return web.json_response({"error": {"message": "EngineDeadError"}}, status=500)
+        if not doc.get("stream"):
+            return web.json_response({"choices": [{"text": "hello"}], "n": len(self.seen)})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = 10 if mode == "slow" else 3
+        if mode == "abort":  # vLLM's shutdown aborts it: a last chunk, then [DONE]
+            await resp.write(b'data: {"choices": [{"text": "t0"}]}\n\n')
+            await resp.write(b'data: {"choices":[{"text":"","finish_reason":"abort"}]}\n\n'
+                             b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        for i in range(n):
+            await resp.write(f'data: {{"choices": [{{"text": "t{i}"}}]}}\n\n'.encode())
+            if mode == "slow":
+                await asyncio.sleep(0.1)
+            if mode == "cut" and i == 1:
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+@pytest.fixture
+def upstream() -> Iterator[Upstream]:
+    u = Upstream()
+    yield u
+    u.close()
+
+
+def make_front(upstream: Upstream, up: bool = True, hold: float = 5.0) -> Front:
+    f = Front(("127.0.0.1", free_port()), ("127.0.0.1", upstream.port), hold, Log(),
+              engine_up=up)
+    f.start()
+    return f
+
+
+def request(port: int, stream: bool = False, timeout: float = 20.0
+            ) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"model": "tiny", "prompt": "x", "max_tokens": 3, "stream": stream}),
+            headers={"Content-Type": "application/json", "Authorization": "Bearer k"})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+class Later(threading.Thread):
+    """A request on a thread of its own; ``result`` once it returns."""
+
+    def __init__(self, port: int, stream: bool = False) -> None:
+        super().__init__(daemon=True)
+        self.port, self.stream = port, stream
+        self.result: tuple[int, dict[str, str], bytes] | None = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = request(self.port, self.stream)
+        except BaseException as e:
+            self.error = e
+
+    def get(self, timeout: float = 20.0) -> tuple[int, dict[str, str], bytes]:
+        self.join(timeout)
+        assert self.error is None, self.error
+        assert self.result is not None, "no answer"
+        return self.result
+
+
+def test_answers_and_streams_pass_through_with_their_headers(upstream: Upstream) -> None:
+    f = make_front(upstream)
+    try:
+        status, _, body = request(f.listen[1])
+        assert status == 200 and json.loads(body)["choices"][0]["text"] == "hello"
+        status, headers, body = request(f.listen[1], stream=True)
+        assert status == 200 and headers["content-type"].startswith("text/event-stream")
+        assert body.count(b"data: ") == 4 and body.endswith(b"data: [DONE]\n\n")
+        assert b"error" not in body
+        assert [s["auth"] for s in upstream.seen] == ["Bearer k", "Bearer k"]  # the API key
+        s = f.sample()
+        assert (s.in_flight, s.holding, s.unanswered) == (0, 0, 0)
+        assert s.bytes_from_engine > 0 and f.totals.requests == 2 and f.totals.held == 0
+    finally:
+        f.stop()
+
+
+def test_a_request_waits_for_the_engine_and_is_answered_when_it_serves(upstream: Upstream
+                                                                        ) -> None:
+    f = make_front(upstream, up=False)
+    try:
+        later = Later(f.listen[1])
+        assert wait_until(lambda: f.sample().holding == 1)
+        time.sleep(0.3)
+        assert later.result is None and upstream.seen == []  # held, not refused
+        f.engine_up("engine-1")
+        status, _, _ = later.get()
+        assert status == 200 and f.totals.held == 1 and f.totals.queue_seconds >= 0.3
+        assert f.sample().holding == 0
+    finally:
+        f.stop()
+
+
+def test_past_hold_timeout_a_503_with_retry_after(upstream: Upstream) -> None:
+    f = make_front(upstream, up=False, hold=0.4)
+    try:
+        t0 = time.monotonic()
+        status, headers, body = request(f.listen[1])
+        assert status == 503 and headers["retry-after"] == str(front_mod.RETRY_AFTER)
+        assert json.loads(body)["error"]["type"] == "engine_unavailable"
+        assert "front.hold_timeout" in json.loads(body)["error"]["message"]
+        assert time.monotonic() - t0 >= 0.4 and f.totals.hold_timeouts == 1
+    finally:
+        f.stop()
+
+
+def test_a_request_whose_engine_died_before_answering_is_replayed_on_the_next(
+        upstream: Upstream) -> None:
+    f = make_front(upstream)
+    try:
+        upstream.mode = "die"
+        later = Later(f.listen[1])
+        assert wait_until(lambda: len(upstream.seen) == 1)
+        # the failed request waits for the NEXT engine, not the one that failed it
+        assert wait_until(lambda: f.sample().holding == 1)
+        upstream.mode = "ok"
+        f.engine_down("crash")
+        time.sleep(0.1)
+        f.engine_up("engine-2")
+        status, _, body = later.get()
+        assert status == 200 and json.loads(body)["n"] == 2
+        assert len(upstream.seen) == 2 and f.totals.replayed == 1 and f.totals.failed == 0
+    finally:
+        f.stop()
+
+
+def test_replayed_only_once(upstream: Upstream) -> None:
+    f = make_front(upstream)
+    try:
+        upstream.mode = "die"
+        later = Later(f.listen[1])
+        assert wait_until(lambda: f.sample().holding == 1)
+        f.engine_down("crash")
+        f.engine_up("engine-2")
+        status, _, body = later.get()
+        assert status == 502 and json.loads(body)["error"]["type"] == "engine_failed"
+        assert len(upstream.seen) == 2 and f.totals.replayed == 1 and f.totals.failed == 1
+    finally:
+        f.stop()
+
+
+def test_a_5xx_of_an_engine_declared_dead_is_replayed_any_other_passes(
+        upstream: Upstream, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(front_mod, "REPLAY_GRACE", 0.5)
+    f = make_front(upstream)
+    try:
+        upstream.mode = "500"
+        status, _, _ = request(f.listen[1])
+        assert status == 500 and f.totals.replayed == 0  # nobody declared the engine dead
+        later = Later(f.listen[1])
+        assert wait_until(lambda: len(upstream.seen) == 2)
+        upstream.mode = "ok"
+        f.engine_down("engine died")
+        f.engine_up("engine-2")
+        status, _, _ = later.get()
+        assert status == 200 and f.totals.replayed == 1
+    finally:
+        f.stop()
+
+
+def test_a_started_stream_that_is_cut_ends_with_an_error_event(upstream: Upstream) -> None:
+    f = make_front(upstream)
+    try:
+        upstream.mode = "cut"
+        status, _, body = request(f.listen[1], stream=True)
+        assert status == 200
+        events = [e for e in body.split(b"\n\n") if e]
+        assert len(events) == 3 and b"[DONE]" not in body
+        err = json.loads(events[-1][len(b"data: "):])["error"]
+        assert err["type"] == "engine_restarted" and err["code"] == 503
+        assert f.totals.stream_errors == 1 and len(upstream.seen) == 1  # never replayed
+    finally:
+        f.stop()
+
+
+def test_a_stream_vllm_aborted_gets_the_error_event_before_its_done(upstream: Upstream
+                                                                    ) -> None:
+    f = make_front(upstream)
+    try:
+        upstream.mode = "abort"
+        status, _, body = request(f.listen[1], stream=True)
+        events = [e for e in body.split(b"\n\n") if e]
+        assert status == 200 and events[-1] == b"data: [DONE]"
+        assert json.loads(events[-2][len(b"data: "):])["error"]["type"] == "engine_restarted"
+        assert b"abort" in events[-3] and f.totals.stream_errors == 1
+    finally:
+        f.stop()
+
+
+def test_drain_lets_requests_in_flight_finish_and_takes_no_new_ones(upstream: Upstream
+                                                                     ) -> None:
+    f = make_front(upstream)
+    try:
+        upstream.mode = "slow"
+        later = Later(f.listen[1], stream=True)
+        assert wait_until(lambda: f.sample().in_flight == 1 and f.sample().bytes_from_engine)
+        f.drain()
+        assert wait_until(lambda: f.sample().draining)
+        with pytest.raises(ConnectionRefusedError):
+            wait_until(lambda: False, 0.2)
+            request(f.listen[1])
+        status, _, body = later.get()
+        assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+        assert f.sample().in_flight == 0
+    finally:
+        f.stop()
+
+
+def test_refuse_answers_held_requests_at_once(upstream: Upstream) -> None:
+    f = make_front(upstream, up=False, hold=30.0)
+    try:
+        later = Later(f.listen[1])
+        assert wait_until(lambda: f.sample().holding == 1)
+        t0 = time.monotonic()
+        f.refuse("crash loop")
+        status, _, body = later.get(5)
+        assert status == 503 and "gave up: crash loop" in json.loads(body)["error"]["message"]
+        assert time.monotonic() - t0 < 5 and upstream.seen == []
+    finally:
+        f.stop()
+
+
+def test_unanswered_requests_are_counted_for_the_hang_detector(upstream: Upstream) -> None:
+    f = make_front(upstream)
+    try:
+        upstream.mode = "stuck"
+        Later(f.listen[1])
+        assert wait_until(lambda: f.sample().unanswered == 1)
+        time.sleep(0.3)
+        s = f.sample()
+        assert s.oldest_unanswered >= 0.3 and s.in_flight == 1 and s.holding == 0
+    finally:
+        f.stop()
+
+
+def test_steered_by_the_supervisors_transitions(upstream: Upstream) -> None:
+    f = make_front(upstream, up=False, hold=30.0)
+    try:
+        listen = steer(f)
+        later = Later(f.listen[1])
+        assert wait_until(lambda: f.sample().holding == 1)
+        listen(Transition(State.WARMING, State.READY, "warmed up"))
+        assert later.get()[0] == 200
+        listen(Transition(State.READY, State.RESTARTING, "hang"))
+        assert wait_until(lambda: not f.sample().open)
+        listen(Transition(State.RESTARTING, State.PREFLIGHT, "restart 1"))
+        assert not f.sample().open
+        listen(Transition(State.WARMING, State.READY, "warmed up"))
+        assert wait_until(lambda: f.sample().open)
+        listen(Transition(State.READY, State.STOPPING, "SIGTERM"))
+        assert wait_until(lambda: f.sample().draining)
+    finally:
+        f.stop()
+
+
+def test_counts_reach_metrics_and_status(upstream: Upstream) -> None:
+    f = make_front(upstream, up=False, hold=0.2)
+    try:
+        assert request(f.listen[1])[0] == 503
+        registry = CollectorRegistry()
+        f.register(registry)
+        text = generate_latest(registry).decode()
+        assert "qwen4090_front_hold_timeouts_total 1.0" in text
+        assert 'qwen4090_front_queue_seconds_bucket{le="+Inf"} 1.0' in text
+        assert f.status()["front"]["hold_timeouts"] == 1
+    finally:
+        f.stop()
+
+
+def test_a_taken_port_is_an_oserror(upstream: Upstream) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        f = Front(("127.0.0.1", s.getsockname()[1]), ("127.0.0.1", upstream.port), 1.0, Log())
+        with pytest.raises(OSError):
+            f.start()
