@@ -210,8 +210,10 @@ def render_table(summaries: Sequence[PathSummary], comparisons: Sequence[Compari
 
 # --- the impure part: processes, sockets, threads ---------------------------------------------
 
-def tree_cpu_seconds(pid: int) -> float:
-    """utime+stime of ``pid`` and its live descendants (all their threads), from /proc."""
+def tree_cpu_seconds(pid: int, descendants: bool = True) -> float:
+    """utime+stime of ``pid`` and its live descendants (all their threads), from /proc; with
+    ``descendants`` false, of ``pid`` alone (qwen4090's front is a thread of the supervisor,
+    whose children are vLLM)."""
     tick = os.sysconf("SC_CLK_TCK")
     parent: dict[int, int] = {}
     cpu: dict[int, float] = {}
@@ -229,6 +231,8 @@ def tree_cpu_seconds(pid: int) -> float:
         cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
     if pid not in cpu:
         raise ProcessLookupError(f"no process {pid}")
+    if not descendants:
+        return cpu[pid]
     total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
@@ -243,6 +247,8 @@ class Target:
     host: str
     port: int
     pid: int | None = None      # the proxy's pid; None for the engine itself
+    tree: bool = True           # its CPU counts its descendants ("=PID" on the command line:
+    #                             that process alone)
     control: bool = False       # the engine again, measured as a proxy would be
 
 
@@ -358,13 +364,13 @@ def run_round(t: Target, c: int, n: int, w: Workload, prompts: PromptSource) -> 
     for th in threads:
         th.start()
     start.wait(w.timeout_s)
-    cpu0 = tree_cpu_seconds(t.pid) if t.pid else None
+    cpu0 = tree_cpu_seconds(t.pid, t.tree) if t.pid else None
     t0 = time.perf_counter()
     deadline = time.monotonic() + w.timeout_s * (n // c + 2)
     for th in threads:
         th.join(max(0.0, deadline - time.monotonic()))
     wall = time.perf_counter() - t0
-    cpu = tree_cpu_seconds(t.pid) - cpu0 if t.pid and cpu0 is not None else None
+    cpu = tree_cpu_seconds(t.pid, t.tree) - cpu0 if t.pid and cpu0 is not None else None
     with lock:
         done = list(results)
     if len(done) < n:
@@ -404,8 +410,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                  epilog="\n".join((__doc__ or "").splitlines()[2:]))
     ap.add_argument("--engine", required=True, help="the vLLM server: http://HOST:PORT")
     ap.add_argument("--proxy", nargs=3, action="append", metavar=("NAME", "URL", "PID"),
-                    required=True, help="a proxy in front of the engine and its pid; repeat "
-                    "for several (all in the same run)")
+                    required=True, help="a proxy in front of the engine and its pid (its CPU "
+                    "counts its child processes; =PID: that process alone, e.g. qwen4090's "
+                    "supervisor with the front in it); repeat for several (all in one run)")
     ap.add_argument("--control", action="store_true",
                     help=f"also measure the engine a second time as if it were a proxy "
                     f"('{CONTROL}'): the differences the machine makes by itself")
@@ -438,7 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.setswitchinterval(0.0005)   # a woken worker waits less for the GIL: less client jitter
     bar = Bar()
     engine = Target(DIRECT, *parse_url(a.engine))
-    proxies = [Target(name, *parse_url(url), pid=int(pid)) for name, url, pid in a.proxy]
+    proxies = [Target(name, *parse_url(url), pid=int(pid.lstrip("=")),
+                      tree=not pid.startswith("=")) for name, url, pid in a.proxy]
     if a.control:
         proxies.append(Target(CONTROL, engine.host, engine.port, control=True))
     targets = {t.name: t for t in [engine, *proxies]}

@@ -53,9 +53,13 @@ def wider_model(tmp: Path) -> Path:
 
 
 def config(port: int, tmp: Path, **watch: Any) -> dict[str, Any]:
+    # front off: with it, clients wait in the front until READY and never reach a warming
+    # vLLM (tests/integration/test_front.py); the starved warmup is the path of a site that
+    # turned the front off
     return cpu_config(port, vllm=cpu_vllm(port, model=tmp / "wider-model"),
                       warmup={"request_timeout": REQUEST_TIMEOUT, "timeout": 120.0},
-                      watch=watch, gpu={"state_directory": str(tmp / "state")})
+                      watch=watch, gpu={"state_directory": str(tmp / "state")},
+                      front={"enabled": False})
 
 
 @pytest.fixture(scope="module")
