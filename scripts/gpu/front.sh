@@ -4,10 +4,9 @@
 # stage per device call, in this order while the machine stays warm:
 #   bash scripts/gpu/front.sh start    qwen4090 run (front on) in a session of its own, to READY
 #                                      (max_num_seqs 32, gpu_memory_utilization 0.3)   (~3 min)
-#   bash scripts/gpu/front.sh cost1    bench/front_cost.py at c=1: vLLM direct (:18000) vs the
-#                                      front (:8000, CPU of the supervisor process alone) vs
-#                                      vLLM again (the noise floor)                    (~4 min)
-#   bash scripts/gpu/front.sh cost32   the same at c=32                                (~4 min)
+#   bash scripts/gpu/front.sh cost     bench/front_cost.py at c=1, then c=32: vLLM direct (:18000)
+#                                      vs the front (:8000, CPU of the supervisor process alone)
+#                                      vs vLLM again (the noise floor), 3 ABBA rounds  (~4 min)
 #   bash scripts/gpu/front.sh faults   SIGTERM the daemon; bench/front_faults.py: EngineCore
 #                                      SIGKILL, SIGSTOP (hang_timeout 15 s) and a [vllm] reload
 #                                      under 16 clients + 4 long streams              (~6 min)
@@ -15,7 +14,7 @@
 # what they showed.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
-stage=${1:?usage: front.sh start|cost1|cost32|faults}
+stage=${1:?usage: front.sh start|cost|faults}
 # shellcheck source=scripts/gpu/kit.sh
 . scripts/gpu/kit.sh
 W=/tmp/qwen4090_front
@@ -24,7 +23,7 @@ MODEL_NAME=qwen3-14b-dummy
 bench() {  # c, requests per round
   python3 bench/front_cost.py --engine http://127.0.0.1:18000 --model "$MODEL_NAME" \
     --proxy qwen4090-front http://127.0.0.1:8000 "=$(cat "$W/pid")" --control \
-    --concurrency "$1" --requests "$2" --rounds 4 --prompt-len 1024 --max-tokens 128 \
+    --concurrency "$1" --requests "$2" --rounds 3 --prompt-len 1024 --max-tokens 128 \
     --out "$OUT/front-cost-c$1.json" 2>&1 | tee "$OUT/front-cost-c$1.txt"
 }
 case $stage in
@@ -49,8 +48,7 @@ EOF
   grep -q '"to": *"ready"' "$W/daemon.log" || { echo "not READY"; tail -30 "$W/daemon.log"; exit 1; }
   grep -E '"event": *"(front_listening|child_spawned|ready_notified|warmup_finished)"' "$W/daemon.log" | cut -c1-400
   ;;
-cost1) bench 1 8 ;;
-cost32) bench 32 128 ;;
+cost) bench 1 8; bench 32 96 ;;
 faults)
   if [ -f "$W/pid" ]; then
     kill -TERM "$(cat "$W/pid")" 2>/dev/null
