@@ -34,6 +34,8 @@
 #                        mount on /sys/fs/cgroup when the host's is not already cgroup2;
 #                        asis: leave the host's layout to nspawn
 #   QWEN4090_SD_EAGER    true: enforce_eager from the first start (default false)
+#   QWEN4090_SD_NODRIVER=1, QWEN4090_SD_UNTIL=install, QWEN4090_SD_KIT=DIR: rehearse the GPU
+#                        path's python plumbing without a GPU (fake kit, fake parent venv)
 #   QWEN4090_SD_TEST_FAIL_FIRST=1  the first start gets a vLLM flag that does not exist (to
 #                        rehearse the retry path)
 # Measured on the CPU machine (a Firecracker VM like the H200: kernel 6.18, PID 1 not systemd,
@@ -170,6 +172,8 @@ venv_into() {
         bind_ro "$real"
         bind_ro "$base/lib/python$ver"
         [ -d "$base/include/python$ver" ] && bind_ro "$base/include/python$ver"
+        # Debian/Ubuntu's pyconfig.h includes the multiarch one (Triton's launchers need both)
+        [ -d "$base/include/x86_64-linux-gnu/python$ver" ] && bind_ro "$base/include/x86_64-linux-gnu/python$ver"
         # Debian/Ubuntu's ensurepip takes pip from /usr/share/python-wheels
         if [ -d /usr/share/python-wheels ] && [ ! -e "$TREE/usr/share/python-wheels" ]; then
             bind_ro /usr/share/python-wheels
@@ -250,6 +254,15 @@ ldd_fill() {
 }
 
 gpu_binds() {
+    if [ "${QWEN4090_SD_NODRIVER:-0}" = 1 ]; then
+        log "rehearsal (QWEN4090_SD_NODRIVER=1): no device nodes, no driver libraries"
+    else
+        driver_binds
+    fi
+    gpu_python_binds
+}
+
+driver_binds() {
     local n d lib='' cudadir='' nvml
     for n in /dev/nvidia[0-9]* /dev/nvidiactl /dev/nvidia-modeset; do
         [ -c "$n" ] && bind_rw "$n"
@@ -286,6 +299,9 @@ gpu_binds() {
     # nvidia-smi for the record (not needed by the unit)
     local smi; smi=$(command -v nvidia-smi || true)
     case $smi in ""|/usr/local/nvidia/*) ;; *) [ -e "$TREE$smi" ] || bind_ro "$(readlink -f "$smi")" "$smi" ;; esac
+}
+
+gpu_python_binds() {
     # the kit: wheelhouse and model (not under /tmp: the guest mounts a tmpfs there)
     [ -d "$KIT/bundle/whl" ] || stop "the kit is not installed ($KIT/bundle/whl missing): run the kit's six calls first"
     [ -f "$KIT/model/config.json" ] || stop "no dummy model in $KIT/model (the kit's dev_install.sh makes it)"
@@ -423,10 +439,12 @@ install_in_guest() {
             --pip-arg=--no-deps --pip-arg=--ignore-installed --pip-arg=--no-compile \
             >"$OUT/install-runtime.txt" 2>&1 \
             || stop "install-runtime in the guest failed: $(tail -n 3 "$OUT/install-runtime.txt" | tr '\n' ' ')"
+        log "install-runtime ($(( $(date +%s) - t ))s): $(tail -n1 "$OUT/install-runtime.txt" | cut -c1-240)"
+        # --quantization fp8 needs compressed-tensors and loguru (the kit's fallback wheels)
         G 120 sh -c '/opt/qwen4090/venv/bin/python -c "import compressed_tensors, loguru" 2>/dev/null || /opt/qwen4090/venv/bin/python -m pip install -q --no-index --no-deps --no-compile /srv/kit/bundle/whl_extra/compressed_tensors-*.whl /srv/kit/bundle/whl_extra/loguru-*.whl' \
-            >>"$OUT/install-runtime.txt" 2>&1
+            >"$OUT/install-extra-wheels.txt" 2>&1 || log "compressed-tensors/loguru not installed: $(tail -n1 "$OUT/install-extra-wheels.txt")"
     fi
-    log "install-runtime ($(( $(date +%s) - t ))s): $(tail -n1 "$OUT/install-runtime.txt" | cut -c1-240)"
+    [ "$CPU" = 1 ] && log "install-runtime ($(( $(date +%s) - t ))s): $(tail -n1 "$OUT/install-runtime.txt" | cut -c1-240)"
     G 20 sh -c 'ls -l /opt/qwen4090/; cat /opt/qwen4090/venv/pyvenv.cfg; ls -l /opt/qwen4090/venv/bin/python*; cat /opt/qwen4090/venv/lib/python3*/site-packages/qwen4090-parent-venv.pth 2>&1' \
         >>"$OUT/install-runtime.txt" 2>&1
     ldd_fill
@@ -579,6 +597,9 @@ do_run() {
     boot
     devs before-install
     install_in_guest
+    if [ "${QWEN4090_SD_UNTIL:-}" = install ]; then
+        collect_journal; teardown; log "done: stopped after the install (QWEN4090_SD_UNTIL=install)"; exit 0
+    fi
     devs before-start
     log "before the start: $(grep -c '^c' "$OUT/dev-nvidia-before-start.txt") nvidia nodes in the guest's /dev, nvidia-uvm: $(grep -q 'nvidia-uvm$' "$OUT/dev-nvidia-before-start.txt" && echo present || echo absent)"
     local lim=$(( $(left) - 150 )); [ $lim -gt 300 ] && lim=300
