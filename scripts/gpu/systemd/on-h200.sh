@@ -359,6 +359,7 @@ boot() {
     "${pre[@]}" "${nsp[@]}" --boot -D "$TREE" --machine=qwen4090-gpu --register=no --keep-unit \
         --console=read-only --private-network --system-call-filter=bpf "${BINDS[@]}" >"$OUT/nspawn.log" 2>&1 &
     NSPAWN_PID=$!
+    echo "$NSPAWN_PID" >"$SDW/nspawn.pid"
     # with the unshare wrapper, nspawn is the wrapper's exec: the same pid
     local i=0
     while [ -z "$LEADER" ] && [ $i -lt 150 ]; do
@@ -589,6 +590,12 @@ do_run() {
     [ "$(id -u)" = 0 ] || stop "needs root"
     log "on-h200.sh run ($( [ "$CPU" = 1 ] && echo 'CPU rehearsal' || echo GPU ), budget ${BUDGET}s, cgroup mode $CGMODE)"
     do_recv >/dev/null 2>&1
+    # a guest left running by an earlier call that was cut off (its nspawn, by the pid we kept)
+    local old; old=$(cat "$SDW/nspawn.pid" 2>/dev/null)
+    if [ -n "$old" ] && grep -q systemd-nspawn "/proc/$old/cmdline" 2>/dev/null; then
+        log "stopping the guest an earlier run left (nspawn pid $old)"
+        kill "$old"; sleep 3; kill -0 "$old" 2>/dev/null && kill -9 "$old"
+    fi
     host_facts
     unpack
     glibc_check
