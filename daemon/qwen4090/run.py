@@ -187,7 +187,12 @@ class Run:
         if state is State.LOADING:
             out.append(self.next_load_poll)
         if state in (State.READY, State.DEGRADED) and "poll" not in self.tasks:
-            out.append(self.serving.next_deadline(w.poll_interval, w.canary_interval))
+            # A canary in flight, or withheld while the engine is busy, is not due before the
+            # next poll says otherwise: its past deadline would make the loop spin (measured on
+            # the H200: a core of the supervisor at c=1, the front's TTFT +5 ms).
+            waits = "canary" in self.tasks or bool(self.last_metrics and _busy(self.last_metrics))
+            out.append(self.serving.next_deadline(w.poll_interval,
+                                                  0.0 if waits else w.canary_interval))
         return out
 
     # --- loading -----------------------------------------------------------------------------

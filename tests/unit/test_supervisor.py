@@ -290,6 +290,24 @@ def test_answer_bytes_through_the_front_are_progress() -> None:
     assert h.sup.state is State.READY and "hang_detected" not in h.log.names()
 
 
+def test_a_canary_withheld_while_busy_does_not_make_the_loop_spin() -> None:
+    # Measured on the H200 (issue 20.8): under a steady load the canary was due but withheld
+    # (the engine busy), its past deadline made next_wakeup 0 and the loop took a core.
+    h = Harness({"watch": {"poll_interval": 1.0, "canary_interval": 5.0}})
+    h.run_until(State.READY)
+    h.probe.running, h.probe.tokens_per_metrics = 2.0, 10.0  # busy, tokens moving
+    h.step(0.5, n=16)  # 8 s: the canary is overdue, withheld
+    assert h.probe.canaries == 0 and h.sup.state is State.READY
+    waits = []
+    for _ in range(8):
+        h.step(0.25)
+        waits.append(h.sup.next_wakeup(h.clock.t))
+    assert min(waits) > 0.0, waits
+    h.probe.running = 0.0  # idle again: the next poll lets the canary go
+    h.step(1.0, n=3)
+    assert h.probe.canaries == 1
+
+
 def slow_polls(unhealthy_timeout: float) -> Harness:
     """READY with polls 4 s apart and hang_timeout 10 s (no canary)."""
     h = Harness({"watch": {"poll_interval": 4.0, "hang_timeout": 10.0, "canary_interval": 0.0,
