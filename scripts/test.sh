@@ -14,10 +14,15 @@ step() { printf '\n== %s (%ss)\n' "$*" "$(( $(date +%s) - start ))"; }
 step "setup"
 scripts/setup-runtime.sh
 # headless Chromium renders the status page in tests/integration/test_operability.py;
-# the shell linter (shellcheck) runs below.  Both are installed (as root, from apt) only where missing.
+# the shell linter (shellcheck) runs below; HAProxy and nginx balance two qwen4090 instances in
+# tests/integration/test_balancer.py (nginx's postinst starts it on port 80 only where
+# policy-rc.d allows and the port is free; the tests never use port 80).  All are installed
+# (as root, from apt) only where missing.
 missing=()
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v shellcheck >/dev/null 2>&1 || missing+=(shellcheck)
+command -v haproxy >/dev/null 2>&1 || missing+=(haproxy)
+command -v nginx >/dev/null 2>&1 || missing+=(nginx)
 if [ "$(id -u)" = 0 ] && [ ${#missing[@]} -gt 0 ]; then
   (timeout 300 apt-get update -q >/dev/null && timeout 600 apt-get install -y -q \
      --no-install-recommends "${missing[@]}" >/dev/null) || echo "${missing[*]} could not be installed"
