@@ -338,16 +338,24 @@ find_leader() { # the guest's PID 1 as the host sees it: a process whose innermo
 
 boot() {
     local cg; cg=$(stat -fc %T /sys/fs/cgroup 2>/dev/null)
-    local pre=()
+    # nspawn's own runtime directory must be a tmpfs: it refuses to clean one on a disk file
+    # system ("Attempted to remove disk file system under /run/systemd/nspawn/propagate/...",
+    # seen on the H200, whose /run is no tmpfs); the guest needs a machine ID ("Failed to
+    # retrieve machine ID: No medium found" with the pruned tree's empty /etc/machine-id)
+    [ -s "$TREE/etc/machine-id" ] || python3 -c 'import uuid; print(uuid.uuid4().hex)' >"$TREE/etc/machine-id"
+    # ... and so does nspawn for the host (sd_id128_get_machine: ENOMEDIUM when the host's
+    # /etc/machine-id is empty or missing, as on the H200); a throw-away VM: give it one
+    [ -s /etc/machine-id ] || { cp "$TREE/etc/machine-id" /etc/machine-id && log "host had no machine ID: /etc/machine-id written"; }
+    local un=(); if command -v unshare >/dev/null; then un=("$(command -v unshare)")
+    else un=("$LDSO" --library-path "$LP" "$TREE/usr/bin/unshare"); fi
+    local setup='mkdir -p /run/systemd/nspawn && mount -t tmpfs tmpfs /run/systemd/nspawn || { echo "cannot mount a tmpfs on /run/systemd/nspawn"; exit 96; }; '
     if [ "$cg" != cgroup2fs ] && [ "$CGMODE" = v2 ]; then
         # a mount namespace of nspawn's own, where /sys/fs/cgroup is the (single) cgroup2
         # hierarchy: the guest's systemd then runs unified and enforces DevicePolicy= by BPF
-        local un=(); if command -v unshare >/dev/null; then un=("$(command -v unshare)")
-        else un=("$LDSO" --library-path "$LP" "$TREE/usr/bin/unshare"); fi
-        pre=("${un[@]}" --mount --propagation private -- /bin/sh -c \
-            'mount -t cgroup2 -o nsdelegate cgroup2 /sys/fs/cgroup 2>/dev/null || mount -t cgroup2 cgroup2 /sys/fs/cgroup || { echo "cannot mount cgroup2 on /sys/fs/cgroup"; exit 97; }; exec "$@"' sh)
+        setup+='mount -t cgroup2 -o nsdelegate cgroup2 /sys/fs/cgroup 2>/dev/null || mount -t cgroup2 cgroup2 /sys/fs/cgroup || { echo "cannot mount cgroup2 on /sys/fs/cgroup"; exit 97; }; '
         log "host /sys/fs/cgroup is '$cg': nspawn gets a private mount namespace with cgroup2 there"
     fi
+    local pre=("${un[@]}" --mount --propagation private -- /bin/sh -c "$setup"'exec "$@"' sh)
     # the nspawn of the tree, run by the tree's loader (the host has none). --system-call-filter=bpf:
     # nspawn's seccomp filter refuses bpf() by default, and the guest's systemd then logs (debug
     # level only) "Can't load kernel CGROUP DEVICE BPF program, BPF device control is not
@@ -607,6 +615,9 @@ do_run() {
     if [ "${QWEN4090_SD_UNTIL:-}" = install ]; then
         collect_journal; teardown; log "done: stopped after the install (QWEN4090_SD_UNTIL=install)"; exit 0
     fi
+    # the install's own import check (torch, as root in the guest) may have made the UVM
+    # nodes through nvidia-modprobe: the start must make them itself (issue 19.2)
+    G 10 rm -f /dev/nvidia-uvm /dev/nvidia-uvm-tools
     devs before-start
     log "before the start: $(grep -c '^c' "$OUT/dev-nvidia-before-start.txt") nvidia nodes in the guest's /dev, nvidia-uvm: $(grep -q 'nvidia-uvm$' "$OUT/dev-nvidia-before-start.txt" && echo present || echo absent)"
     local lim=$(( $(left) - 150 )); [ $lim -gt 300 ] && lim=300
