@@ -497,7 +497,10 @@ class Run:
         the drain is over (its hurry and the fields of its log line)."""
         assert self.drain is not None
         if front is not None:
-            self.drain.on_clients(front.in_flight)
+            # Counted only once the front has stopped taking requests: a request that came in
+            # between SIGTERM and the front's drain would otherwise meet a vLLM that is being
+            # stopped (seen once behind a balancer: no answer until the daemon exited).
+            self.drain.on_clients(front.in_flight if front.draining else max(1, front.in_flight))
         over, busy, expired = self.drain.over(now, self.child.poll() is not None)
         if over:
             sample = self.drain.sample

@@ -112,10 +112,11 @@ class FakeFront:
         self.holding = 0
         self.unanswered = 0
         self.bytes = 0
+        self.draining = True  # front.drain() took effect (it does so on the front's own loop)
 
     def sample(self) -> FrontSample:
         return FrontSample(self.in_flight, self.holding, self.unanswered, 0.0, self.bytes,
-                           True, False)
+                           True, self.draining)
 
 
 class FakeProbe:
