@@ -509,6 +509,8 @@ class StatusApi:
             else:
                 self._send(req, 404, "not found: try /, /status, /metrics, /livez, /readyz\n",
                            head=head)
+        except (BrokenPipeError, ConnectionResetError):
+            return  # the client left before its answer (a balancer's check that had seen enough)
         except Exception as e:  # a bug here must not take the endpoint down
             if self.log is not None:
                 self.log.error("status_endpoint_error", path=path,

@@ -201,6 +201,25 @@ def test_a_broken_document_is_a_500_not_a_dead_endpoint(
     assert get(a, "/livez")[0] == 200
 
 
+def test_a_client_that_leaves_before_its_answer_is_no_error() -> None:
+    # a balancer's health check that reset the connection once it had read enough
+    from tests.support.fakes import Log
+
+    log = Log()
+    a = StatusApi(lambda: {"ready": True, "state": "ready"}, clock=Clock(), log=log)
+
+    class Gone:
+        path = "/readyz"
+
+        def __getattr__(self, name: str) -> Any:
+            def call(*args: Any) -> None:
+                raise BrokenPipeError(32, "Broken pipe")
+            return call
+
+    a.handle(Gone())  # type: ignore[arg-type]
+    assert log.events == []
+
+
 class Parts:
     def __init__(self) -> None:
         self.clock = Clock()
