@@ -78,10 +78,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     steps, skipped = plan_steps(cfg)
     print(f"config ok: {', '.join(cfg.sources)}")
     print(f"  model    {v.model} (served as {v.served_model_name}) on {v.host}:{v.port}")
+    if cfg.front.enabled:
+        print(f"  front    clients on {v.host}:{v.port}, vLLM on 127.0.0.1:"
+              f"{cfg.front.engine_port}, requests held up to {cfg.front.hold_timeout:g}s")
     print(f"  limits   max_model_len={v.max_model_len} max_num_seqs={v.max_num_seqs} "
           f"max_num_batched_tokens={v.max_num_batched_tokens} "
           f"gpu_memory_utilization={v.gpu_memory_utilization:g}")
-    print(f"  argv     {' '.join(render_argv(v))}")
+    print(f"  argv     {' '.join(render_argv(launch.behind_front(cfg).vllm))}")
     key = "none" if not (v.api_key_file or os.environ.get("CREDENTIALS_DIRECTORY")) else \
         (v.api_key_file or "systemd credential api_key")
     print(f"  api key  {key}")

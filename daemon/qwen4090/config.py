@@ -96,9 +96,11 @@ class VllmConfig:
                      "model directory (or hub id, if the runtime may download)", kind="model")
     served_model_name: str = opt("qwen3-14b", "model name clients send in requests",
                                  kind="name")
-    host: str = opt("127.0.0.1", "address vLLM listens on (put a proxy in front for others)",
+    host: str = opt("127.0.0.1", "address clients connect to: the front's (vLLM's own when "
+                                 "front.enabled = false); put a proxy in front for others",
                     kind="host")
-    port: int = opt(8000, "port vLLM listens on", min=1, max=65535)
+    port: int = opt(8000, "port clients connect to: the front's (vLLM's own when "
+                          "front.enabled = false)", min=1, max=65535)
     dtype: str = opt("auto", "weights/activations dtype",
                      choices=("auto", "half", "float16", "bfloat16", "float", "float32"))
     quantization: str = opt("", "quantization method (e.g. awq_marlin, fp8); empty = detect "
@@ -669,11 +671,10 @@ def _ints(*values: int | str) -> bool:
 
 # Documented under each key (field_doc): a value that check-config accepts must be runnable.
 RULES: tuple[Rule, ...] = (
-    Rule("status.port", "must differ from vllm.port while status.enabled",
+    Rule("status.port", "a port other than vllm.port while status.enabled",
          lambda c: not c.status.enabled or c.status.port != c.vllm.port,
          lambda c: f"{c.status.port}, the same as vllm.port"),
-    Rule("front.engine_port", "differ from vllm.port and status.port while "
-                              "front.enabled",
+    Rule("front.engine_port", "a port other than vllm.port and status.port while front.enabled",
          lambda c: not c.front.enabled or c.front.engine_port not in (
              c.vllm.port, c.status.port if c.status.enabled else -1),
          lambda c: f"{c.front.engine_port}, the same as "

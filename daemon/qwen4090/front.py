@@ -146,7 +146,7 @@ class Front:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
+        self._listener: asyncio.AbstractServer | None = None
         self._session: aiohttp.ClientSession | None = None
 
     # --- life --------------------------------------------------------------------------------
@@ -158,6 +158,7 @@ class Front:
 
         def main() -> None:
             loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)  # this thread's (aiohttp asks get_event_loop())
             self._loop = loop
             try:
                 loop.run_until_complete(self._start())
@@ -173,6 +174,10 @@ class Front:
                 loop.run_forever()
             finally:
                 loop.run_until_complete(self._cleanup())
+                left = asyncio.all_tasks(loop)  # as asyncio.run ends: the rest cancelled
+                for task in left:
+                    task.cancel()
+                loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
                 loop.close()
 
         self._thread = threading.Thread(target=main, name="qwen4090-front", daemon=True)
@@ -205,12 +210,20 @@ class Front:
             kwargs["handler_cancellation"] = True
         self._runner = web.AppRunner(app, **kwargs)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.listen[0], self.listen[1],
-                                 reuse_address=True, backlog=1024)
-        await self._site.start()
+        # The listening socket is ours, not a web.TCPSite: a drain must stop accepting and
+        # nothing more, and TCPSite.stop() of aiohttp 3.8 (Debian 12's) also shuts the open
+        # connections down, cutting a request whose body is still on its way.
+        assert self._runner.server is not None
+        self._listener = await asyncio.get_running_loop().create_server(
+            self._runner.server, self.listen[0], self.listen[1], reuse_address=True,
+            backlog=1024)
 
     async def _cleanup(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
         if self._runner is not None:
+            if self._runner.server is not None:
+                await self._runner.server.shutdown(1.0)  # what is still open ends now
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
@@ -287,8 +300,8 @@ class Front:
         self._draining = True
         self.log.info("front_draining", in_flight=self._in_flight, holding=self._holding)
         await self._notify()
-        if self._site is not None:
-            await self._site.stop()  # new connections are refused; open ones stay
+        if self._listener is not None:
+            self._listener.close()  # new connections are refused; open ones stay
 
     async def _set_refusing(self, reason: str) -> None:
         self._refusing = reason

@@ -530,8 +530,14 @@ class Instance:
     # --- following the config (a reload may move vLLM to another port) --------------------
 
     def follow(self, cfg: Config) -> None:
-        """Hold the lock of the port this launch uses; ConfigError when another has it."""
+        """Hold the lock of the port this launch uses; ConfigError when another has it.
+
+        An instance is named by its client port.  Behind the front a launch's vllm.port is the
+        engine's (launch.behind_front), and the client port cannot move on a reload (the
+        supervisor refuses it): nothing to follow."""
         v = cfg.vllm
+        if cfg.front.enabled and self.lock is not None:
+            return
         if (v.host, v.port) == (self.host, self.port) and self.lock is not None:
             return
         old_lock, old_record = self.lock, self.record_path

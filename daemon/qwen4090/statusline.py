@@ -68,7 +68,9 @@ def render(f: Facts, note: str = "") -> str:
         line = f"waiting for port {f.port} held by {f.port_holder}"[:400] + tail
     else:
         line = f"{s.value}: {f.reason}"
-    if f.front is not None and f.front.holding and s != S.STOPPING:
+    # held requests are said while no engine serves (at READY they are being released)
+    if f.front is not None and f.front.holding and s not in SERVING_STATES \
+            and s != S.STOPPING:
         line += f"; {f.front.holding} request{'s' if f.front.holding > 1 else ''} held"
     return f"{line}; {note}" if note else line
 

@@ -1,6 +1,8 @@
 """READY=1 and health mean "this supervisor's vLLM" (issue 8.2-8.5), with the real supervisor
 and the real CPU vLLM: one instance per port, a held port waited on (not a crash), a stranger's
 200 never trusted, and a vLLM orphaned by a SIGKILLed supervisor stopped by the next start.
+vLLM's own port is the engine port behind the front (front.engine_port): the strangers take
+that one; the instance is named by the client port.
 """
 
 from __future__ import annotations
@@ -106,11 +108,12 @@ def daemons() -> Iterator[list[Daemon]]:
 
 def test_held_port_is_waited_on_and_a_second_instance_is_refused(
         tmp_path: Path, daemons: list[Daemon]) -> None:
-    port = free_port()
+    port, engine = free_port(), free_port()
     # budget_failures = 1: before 8.4 the held port was a counted failure: exit 75 at once.
-    cfg = write_toml(tmp_path / "q.toml", cpu_config(port, restart={"budget_failures": 1}))
+    cfg = write_toml(tmp_path / "q.toml", cpu_config(port, restart={"budget_failures": 1},
+                                                     front={"engine_port": engine}))
     holder = socket.socket()
-    holder.bind(("127.0.0.1", port))
+    holder.bind(("127.0.0.1", engine))
     holder.listen()
     try:
         d = Daemon(cfg, tmp_path)
@@ -118,7 +121,7 @@ def test_held_port_is_waited_on_and_a_second_instance_is_refused(
         busy = d.wait_event("port_busy", 60)
         assert busy["holder"].startswith(f"pid {os.getpid()} (")  # the test itself holds it
         assert busy["_prio"] == 4  # warning
-        d.wait_for(lambda: any(s.startswith(f"waiting for port 127.0.0.1:{port} held by pid "
+        d.wait_for(lambda: any(s.startswith(f"waiting for port 127.0.0.1:{engine} held by pid "
                                             f"{os.getpid()} (") for s in d.statuses()),
                    30, "STATUS naming the holder")
         # 8.3: a second run for the same port refuses at once with 78, naming the first.
@@ -150,7 +153,7 @@ def test_a_strangers_200_is_not_our_vllm(tmp_path: Path, daemons: list[Daemon]) 
     # stranger can answer on the probed port while our vLLM is alive and loading: the case
     # of a second supervisor's vLLM or a stray server answering 200 on "our" port.
     # (config.py refuses a second --port in extra_args, so a wrapper appends it to the argv)
-    port, real = free_port(), free_port()
+    port, real, engine = free_port(), free_port(), free_port()
     wrapper = tmp_path / "vllm_on_another_port.py"
     wrapper.write_text("import runpy, sys\n"
                        f"sys.argv = [sys.argv[0], *sys.argv[1:], '--port', '{real}']\n"
@@ -158,11 +161,11 @@ def test_a_strangers_200_is_not_our_vllm(tmp_path: Path, daemons: list[Daemon]) 
                        "run_name='__main__', alter_sys=True)\n")
     base = cpu_config(port)
     cfg = write_toml(tmp_path / "q.toml", cpu_config(port, vllm={
-        "command": [base["vllm"]["command"][0], str(wrapper)]}))
+        "command": [base["vllm"]["command"][0], str(wrapper)]}, front={"engine_port": engine}))
     d = Daemon(cfg, tmp_path)
     daemons.append(d)
     d.wait_event("child_spawned", 60)
-    with stranger(port, tmp_path) as (proc, log):
+    with stranger(engine, tmp_path) as (proc, log):
         said = d.wait_event("port_answered_by_stranger", START_TIMEOUT)
         assert said["holder"].startswith(f"pid {proc.pid} (")
         # Our own vLLM comes up on its real port; we keep probing the stranger meanwhile.
@@ -191,17 +194,18 @@ def test_vllm_losing_its_port_to_a_stranger_waits_then_serves(
         tmp_path: Path, daemons: list[Daemon]) -> None:
     # The stranger takes the port after our preflight: our vLLM dies of "Address already in
     # use" (at its bind, or at its listen after loading).  Not a crash: wait for the port.
-    port = free_port()
-    cfg = write_toml(tmp_path / "q.toml", cpu_config(port, restart={"budget_failures": 1}))
+    port, engine = free_port(), free_port()
+    cfg = write_toml(tmp_path / "q.toml", cpu_config(port, restart={"budget_failures": 1},
+                                                     front={"engine_port": engine}))
     d = Daemon(cfg, tmp_path)
     daemons.append(d)
     d.wait_event("child_spawned", 60)
-    with stranger(port, tmp_path) as (proc, log):
+    with stranger(engine, tmp_path) as (proc, log):
         exited = d.wait_event("child_exited", START_TIMEOUT)
         assert exited["cause"] == "port_held", exited
         busy = d.wait_event("port_busy", 60)
         assert busy["holder"].startswith(f"pid {proc.pid} (")
-        d.wait_for(lambda: any(s.startswith(f"waiting for port 127.0.0.1:{port} held by pid "
+        d.wait_for(lambda: any(s.startswith(f"waiting for port 127.0.0.1:{engine} held by pid "
                                             f"{proc.pid} (") for s in d.statuses()),
                    30, "STATUS naming the stranger")
         assert d.notified("READY=1") is None
@@ -220,8 +224,8 @@ def test_vllm_losing_its_port_to_a_stranger_waits_then_serves(
 
 def test_orphan_of_a_killed_supervisor_is_stopped_by_the_next_start(
         tmp_path: Path, daemons: list[Daemon]) -> None:
-    port = free_port()
-    cfg = write_toml(tmp_path / "q.toml", cpu_config(port))
+    port, eport = free_port(), free_port()
+    cfg = write_toml(tmp_path / "q.toml", cpu_config(port, front={"engine_port": eport}))
     first = Daemon(cfg, tmp_path)
     daemons.append(first)
     first.wait_notify("READY=1", START_TIMEOUT)
@@ -234,8 +238,8 @@ def test_orphan_of_a_killed_supervisor_is_stopped_by_the_next_start(
     assert api in old and engine.pid in old
     os.kill(first.proc.pid, signal.SIGKILL)  # the supervisor only
     first.wait_exit(30)
-    # Orphaned, and still serving.
-    assert health(port) == 200
+    # Orphaned, and still serving (on its own port: the front died with its supervisor).
+    assert health(eport) == 200
     assert all(not gone(pid, t) for pid, t in old.items() if pid in (api, engine.pid))
     t0 = time.monotonic()
     second = Daemon(cfg, tmp_path)

@@ -169,6 +169,7 @@ def test_answers_and_streams_pass_through_with_their_headers(upstream: Upstream)
         assert body.count(b"data: ") == 4 and body.endswith(b"data: [DONE]\n\n")
         assert b"error" not in body
         assert [s["auth"] for s in upstream.seen] == ["Bearer k", "Bearer k"]  # the API key
+        assert wait_until(lambda: f.sample().in_flight == 0)  # its handler returns just after
         s = f.sample()
         assert (s.in_flight, s.holding, s.unanswered) == (0, 0, 0)
         assert s.bytes_from_engine > 0 and f.totals.requests == 2 and f.totals.held == 0
@@ -302,7 +303,7 @@ def test_drain_lets_requests_in_flight_finish_and_takes_no_new_ones(upstream: Up
             request(f.listen[1])
         status, _, body = later.get()
         assert status == 200 and body.endswith(b"data: [DONE]\n\n")
-        assert f.sample().in_flight == 0
+        assert wait_until(lambda: f.sample().in_flight == 0)  # its handler returns just after
     finally:
         f.stop()
 
@@ -375,3 +376,30 @@ def test_a_taken_port_is_an_oserror(upstream: Upstream) -> None:
         f = Front(("127.0.0.1", s.getsockname()[1]), ("127.0.0.1", upstream.port), 1.0, Log())
         with pytest.raises(OSError):
             f.start()
+
+
+def test_open_front_waits_for_a_taken_client_port_then_says_who_holds_it() -> None:
+    from qwen4090 import cli
+    from qwen4090.config import from_dict
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        log = Log()
+        cfg = from_dict({"vllm": {"port": port}, "restart": {"port_wait": 1.0}})
+        extended: list[float] = []
+        t0 = time.monotonic()
+        assert cli.open_front(cfg, log, extended.append, lambda: False,
+                              sleep=lambda t: time.sleep(0.2)) is None
+        assert time.monotonic() - t0 >= 1.0 and extended  # systemd's start timeout extended
+        assert [e for _, e, _ in log.events] == ["front_port_wait", "front_port_busy"]
+        busy = log.named("front_port_busy")[0]
+        assert busy["port"] == f"127.0.0.1:{port}" and "pid" in busy["holder"]
+    # freed: it binds
+    door = cli.open_front(cfg, log, extended.append, lambda: False)
+    assert isinstance(door, Front)
+    door.stop()
+    off = cli.open_front(from_dict({"front": {"enabled": False}}), log, extended.append,
+                         lambda: False)
+    assert off is not None and off.sample() is None

@@ -198,17 +198,35 @@ def test_unusable_directory_is_one_line_naming_path_and_fix(tmp_path: Path) -> N
     assert "\n" not in msg
 
 
-def test_follow_moves_the_lock_to_a_new_port(tmp_path: Path) -> None:
+def test_behind_the_front_a_launch_on_the_engine_port_keeps_the_client_ports_lock(
+        tmp_path: Path) -> None:
+    # the launch's vllm.port is the engine's (launch.behind_front): the instance keeps its name
+    from qwen4090.launch import behind_front
+
     env = {"RUNTIME_DIRECTORY": str(tmp_path)}
-    inst = Instance.take(from_dict({"vllm": {"port": 8200}}), Log(), env=env)
-    blocker = Instance.take(from_dict({"vllm": {"port": 8202}}), Log(), env=env)
+    cfg = from_dict({"vllm": {"port": 8300}})
+    inst = Instance.take(cfg, Log(), env=env)
     try:
-        inst.follow(from_dict({"vllm": {"port": 8201}}))
+        inst.follow(behind_front(cfg))
+        assert inst.lock_path.name == "instance-127.0.0.1-8300.lock"
+        assert inst.record_path.name == "instance-127.0.0.1-8300.child.json"
+    finally:
+        inst.close(True)
+
+
+def test_follow_moves_the_lock_to_a_new_port(tmp_path: Path) -> None:
+    # without the front a reload may move vLLM's port, and the instance with it
+    env = {"RUNTIME_DIRECTORY": str(tmp_path)}
+    off = {"front": {"enabled": False}}
+    inst = Instance.take(from_dict({"vllm": {"port": 8200}, **off}), Log(), env=env)
+    blocker = Instance.take(from_dict({"vllm": {"port": 8202}, **off}), Log(), env=env)
+    try:
+        inst.follow(from_dict({"vllm": {"port": 8201}, **off}))
         assert inst.lock_path.name == "instance-127.0.0.1-8201.lock"
-        Instance.take(from_dict({"vllm": {"port": 8200}}), Log(), env=env).close(True)
+        Instance.take(from_dict({"vllm": {"port": 8200}, **off}), Log(), env=env).close(True)
         from qwen4090.config import ConfigError
         with pytest.raises(ConfigError) as e:
-            inst.follow(from_dict({"vllm": {"port": 8202}}))
+            inst.follow(from_dict({"vllm": {"port": 8202}, **off}))
         assert "vllm.port" in str(e.value) and "another qwen4090" in str(e.value)
         assert inst.lock_path.name == "instance-127.0.0.1-8201.lock"  # kept what it had
     finally:
