@@ -333,6 +333,10 @@ class Loads:
     def finish(self) -> dict[str, list[Outcome]]:
         return {name: load.finish() for name, load in self.loads.items()}
 
+    def abandon(self) -> None:
+        for load in self.loads.values():
+            load.abandon()
+
     def seen(self, outcomes: dict[str, list[Outcome]], fault_at: float) -> dict[str, Any]:
         """Per balancer: what its clients saw, and what it did (resent, per host)."""
         seen: dict[str, Any] = {name: summary(o, fault_at) for name, o in outcomes.items()}
@@ -371,17 +375,21 @@ def check_clients(seen: dict[str, Any]) -> None:
 def test_engine_sigkill_on_one_host_under_load(site: Site) -> None:
     a = site.a
     loads = Loads(site)
-    time.sleep(3.0)  # both hosts serve
-    assert stats(site.sock)["gpu1"]["stot"] != loads.ha_stats["gpu1"]["stot"], "A got nothing"
-    engine = a.engine_core()
-    mark = a.mark()
-    fault_at = time.monotonic()
-    os.kill(engine.pid, signal.SIGKILL)
-    a.wait_event("state_changed", 60, after=mark, to="restarting")
-    ready = a.wait_event("state_changed", RESTART_TIMEOUT, after=mark, to="ready")
-    up_at = wait_status(site.sock, "gpu1", "UP", 30)
-    stot_at_up = int(stats(site.sock)["gpu1"]["stot"])
-    time.sleep(4.0)  # served by both again for a while
+    try:
+        time.sleep(3.0)  # both hosts serve
+        assert stats(site.sock)["gpu1"]["stot"] != loads.ha_stats["gpu1"]["stot"], \
+            "A got nothing"
+        engine = a.engine_core()
+        mark = a.mark()
+        fault_at = time.monotonic()
+        os.kill(engine.pid, signal.SIGKILL)
+        a.wait_event("state_changed", 60, after=mark, to="restarting")
+        ready = a.wait_event("state_changed", RESTART_TIMEOUT, after=mark, to="ready")
+        up_at = wait_status(site.sock, "gpu1", "UP", 30)
+        stot_at_up = int(stats(site.sock)["gpu1"]["stot"])
+        time.sleep(4.0)  # served by both again for a while
+    finally:
+        loads.abandon()
     outcomes = loads.finish()
     seen = loads.seen(outcomes, fault_at)
     released = a.event("front_released", after=mark) or {}
@@ -398,15 +406,18 @@ def test_sigterm_of_one_host_under_load(site: Site) -> None:
     a = site.a
     a.wait_for(lambda: current_state(a) == "ready", RESTART_TIMEOUT, "A READY")
     loads = Loads(site)
-    time.sleep(3.0)
-    mark = a.mark()
-    stop_at = time.monotonic()
-    a.signal(signal.SIGTERM)
-    drained = a.wait_event("drained", 60, after=mark)
-    assert a.wait_exit(60) == 0
-    exited_at = time.monotonic()
-    wait_status(site.sock, "gpu1", "DOWN", 30)
-    time.sleep(3.0)  # B alone serves
+    try:
+        time.sleep(3.0)
+        mark = a.mark()
+        stop_at = time.monotonic()
+        a.signal(signal.SIGTERM)
+        drained = a.wait_event("drained", 60, after=mark)
+        assert a.wait_exit(60) == 0
+        exited_at = time.monotonic()
+        wait_status(site.sock, "gpu1", "DOWN", 30)
+        time.sleep(3.0)  # B alone serves
+    finally:
+        loads.abandon()
     outcomes = loads.finish()
     seen = loads.seen(outcomes, stop_at)
     record("balancer_host_sigterm", exited_at - stop_at,

@@ -57,12 +57,15 @@ def check_fault(daemon: Daemon, fault: str, inject: Any, streams: int,
     """``streams_cut``: the fault ends the streams in flight (a SIGKILL); a hung engine is
     continued when its group is stopped and may finish them in its last seconds."""
     load = Load(daemon.port, streams=streams).start()
-    load.wait_streaming()  # the long streams are under way (2000 tokens: seconds more)
-    mark = daemon.mark()
-    fault_at = time.monotonic()
-    inject()
-    ready = restarted(daemon, mark)
-    time.sleep(3.0)  # served again for a while
+    try:
+        load.wait_streaming()  # the long streams are under way (2000 tokens: seconds more)
+        mark = daemon.mark()
+        fault_at = time.monotonic()
+        inject()
+        ready = restarted(daemon, mark)
+        time.sleep(3.0)  # served again for a while
+    finally:
+        load.abandon()  # a failure here must not leave its clients loading the next tests
     outcomes = load.finish()
     s = summary(outcomes, fault_at)
     endings = stream_endings(outcomes)
@@ -109,11 +112,14 @@ def test_vllm_reload_under_load_is_a_blip(daemon: Daemon) -> None:
 
 def test_sigterm_drains_through_the_front(daemon: Daemon) -> None:
     load = Load(daemon.port, streams=0).start()
-    time.sleep(2.0)
-    mark = daemon.mark()
-    stop_at = time.monotonic()
-    daemon.signal(signal.SIGTERM)
-    drained = daemon.wait_event("drained", 60, after=mark)
+    try:
+        time.sleep(2.0)
+        mark = daemon.mark()
+        stop_at = time.monotonic()
+        daemon.signal(signal.SIGTERM)
+        drained = daemon.wait_event("drained", 60, after=mark)
+    finally:
+        load.abandon()
     outcomes = load.finish(60)
     assert daemon.wait_exit(60) == 0
     assert drained["busy"] is False and drained["in_flight"] == 0, drained

@@ -51,6 +51,11 @@ class Load:
             t.start()
         return self
 
+    def abandon(self) -> None:
+        """Stop sending (a test that failed midway): its threads must not load the tests after
+        it."""
+        self.stop.set()
+
     def finish(self, timeout: float = 200.0) -> list[Outcome]:
         self.stop.set()
         end = time.monotonic() + timeout
