@@ -39,7 +39,10 @@ HOLD_TIMEOUT = 5.0  # [front] hold_timeout behind a balancer, as both examples s
 # Two vLLMs start at once on 2 cores: 45-90 s; a restart beside the other's load took 40 s
 # to over 3 minutes here, with other tests on the same 2 cores (load average 10-20).
 START_TIMEOUT = 300.0
-RESTART_TIMEOUT = 300.0
+# A restart under the other host's load: once (a fresh-clone CI run) vLLM was not up after the
+# 240 s load_timeout of cpu_config; the hosts get 800 s, the test waits for one restart.
+LOAD_TIMEOUT = 800.0
+RESTART_TIMEOUT = 900.0
 CLIENTS = 2  # client threads per balancer (both balancers are loaded at once; CI has 2 cores)
 
 
@@ -220,7 +223,8 @@ def start_host(tmp: Path, name: str, core: int) -> tuple[Daemon, Host]:
         status={"enabled": True, "host": "127.0.0.1", "port": status_port},
         gpu={"enabled": "off", "state_directory": str(tmp / "state")},
         watch={"poll_interval": 1.0, "hang_timeout": 8.0, "canary_interval": 5.0,
-               "canary_timeout": 10.0, "unhealthy_timeout": 15.0}))
+               "canary_timeout": 10.0, "unhealthy_timeout": 15.0,
+               "load_timeout": LOAD_TIMEOUT}))
     d = Daemon(cfg, tmp, port=port, log_path=tmp / "daemon.log")
     return d, Host(name, port, status_port)
 

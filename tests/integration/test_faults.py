@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.support.clients import Stream, record, sigterm_while_streaming, start_streams
+from tests.support.clients import Stream, record, sigterm_while_streaming
 from tests.support.daemon import Daemon
 from tests.support.runtime import cpu_config, free_port, write_toml
 
@@ -220,11 +220,15 @@ def test_an_orphan_whose_exit_comes_late_is_reaped(daemon: Daemon) -> None:
 def test_sigterm_with_streams_outliving_a_short_drain_ends_at_the_deadline(
         daemon: Daemon) -> None:
     port = daemon.port
-    streams = start_streams(port, 300)
     # The tiny model ends 8 x 2000 tokens in ~2.5 s, and on 2 busy cores vLLM's API server may
-    # send a stream's events in one late burst: paused, the engine makes every stream outlive
-    # the 3 s drain (the group's SIGTERM comes with a SIGCONT).
+    # send a stream's events in one late burst (a first token can come with the last): the
+    # engine is paused before the streams are sent, so every one of them outlives the 3 s
+    # drain (the group's SIGTERM comes with a SIGCONT).
     os.kill(daemon.engine_core().pid, signal.SIGSTOP)
+    streams = [Stream(port, [300 + i] * 16, 2000, timeout=120) for i in range(8)]
+    for st in streams:
+        st.start()
+    time.sleep(2.0)  # sent, and in the front (none can finish: the engine is paused)
     mark, t0, t_exit = sigterm_while_streaming(daemon, streams,
                                                DRAIN_TIMEOUT + TERM_TIMEOUT + 30, join=30)
     assert not any(st.is_alive() for st in streams)
