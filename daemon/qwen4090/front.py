@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -92,6 +93,10 @@ class Totals:
     failed: int = 0  # answered with an error by the front (the replay failed too)
     queue_seconds: float = 0.0  # time requests spent held, in all
     queue_buckets: list[int] = field(default_factory=lambda: [0] * len(QUEUE_BUCKETS))
+
+    def copy(self) -> Totals:
+        """A copy to read outside the front's lock."""
+        return dataclasses.replace(self, queue_buckets=list(self.queue_buckets))
 
 
 @dataclass
@@ -552,9 +557,7 @@ class _Collector:
         f = self.front
         s = f.sample()
         with f._lock:
-            t = Totals(**{k: getattr(f.totals, k) for k in (
-                "requests", "held", "replayed", "hold_timeouts", "refused", "stream_errors",
-                "failed", "queue_seconds")}, queue_buckets=list(f.totals.queue_buckets))
+            t = f.totals.copy()
         yield GaugeMetricFamily("qwen4090_front_in_flight",
                                 "client requests in flight through the front", value=s.in_flight)
         yield GaugeMetricFamily("qwen4090_front_holding",
