@@ -200,6 +200,20 @@ class RestartConfig:
     port_wait: float = opt(120.0, "seconds to wait for vLLM's port while another process holds "
                                   "it (not a failure); then each held start counts", min=0,
                            max=86400)
+    # the standby engine (issue 21): a fault becomes a blip
+    standby: str = opt("off", "a second vLLM engine of the same model kept beside the serving "
+                              "one, which takes over after a crash or a hang (needs the "
+                              "front): off; sleep (started, then put to sleep: its weights "
+                              "wait in pinned host memory, about 1 GiB stays on the GPU; vLLM's "
+                              "sleep mode, CUDA only); awake (a full second engine: twice the "
+                              "memory; for CPU vLLM)", choices=("off", "sleep", "awake"))
+    standby_quiet: float = opt(10.0, "seconds without a request before the standby is built "
+                                     "or rebuilt (in sleep mode the serving engine sleeps "
+                                     "meanwhile and the front holds requests)", min=0,
+                               max=DAY)
+    wake_timeout: float = opt(30.0, "seconds for the standby to wake and give its known "
+                                    "answer; past it (or a wrong answer) the normal restart",
+                              min=1, max=600)
 
 
 @dataclass(frozen=True)
@@ -679,6 +693,18 @@ RULES: tuple[Rule, ...] = (
              c.vllm.port, c.status.port if c.status.enabled else -1),
          lambda c: f"{c.front.engine_port}, the same as "
                    f"{'vllm.port' if c.front.engine_port == c.vllm.port else 'status.port'}"),
+    Rule("restart.standby", "off unless front.enabled (the standby takes over behind the "
+                            "front: the client port must be qwen4090's)",
+         lambda c: c.restart.standby == "off" or c.front.enabled,
+         lambda c: f"{c.restart.standby!r} with front.enabled = false"),
+    Rule("front.engine_port", "below 65535 and, + 1, another port than vllm.port and "
+                              "status.port while restart.standby is on (the standby listens "
+                              "on front.engine_port + 1)",
+         lambda c: c.restart.standby == "off" or not c.front.enabled
+         or (c.front.engine_port < 65535 and c.front.engine_port + 1 not in (
+             c.vllm.port, c.status.port if c.status.enabled else -1)),
+         lambda c: f"{c.front.engine_port} (+ 1 = {c.front.engine_port + 1}) with "
+                   f"restart.standby = {c.restart.standby!r}"),
     Rule("gpu.device", "at most 63 also when it follows vllm.env.CUDA_VISIBLE_DEVICES",
          lambda c: c.gpu.device <= 63,  # qwen4090.derived sets it after the range check
          lambda c: f"{c.gpu.device} (from vllm.env.CUDA_VISIBLE_DEVICES = "

@@ -76,6 +76,22 @@ class Reloaded:
     changed: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class EngineMoved:
+    """The serving engine listens at another address from now on (the standby took over, or
+    the next start is on the other port): the front sends requests there."""
+
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class StandbyWoken:
+    """A failover woke the standby (the recovery timeline's ``woken`` mark)."""
+
+    seconds: float
+
+
 Event = (Transition | ChildExitSeen | Restarted | WarmedUp | HangSeen | SteppedDown | GpuSampled
-         | Reloaded)
+         | Reloaded | EngineMoved | StandbyWoken)
 Listener = Callable[[Event], None]

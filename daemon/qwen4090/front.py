@@ -44,7 +44,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from qwen4090.events import Event, Listener, Transition
+from qwen4090.events import EngineMoved, Event, Listener, Transition
 from qwen4090.states import SERVING_STATES, State
 
 # Headers that belong to one connection, not to the request or answer (RFC 9110 7.6.1), and
@@ -57,6 +57,14 @@ HOP_BY_HOP = frozenset({
 # when the supervisor declares that engine dead within this long, else passed on as they are.
 REPLAY_GRACE = 3.0
 RETRY_AFTER = 5  # seconds a 503 asks the client to wait
+# vLLM's development endpoints (VLLM_SERVER_DEV_MODE=1, on with restart.standby = "sleep"): the
+# supervisor puts engines to sleep and wakes them; a client must never reach them.
+ENGINE_ONLY = frozenset({
+    "/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", "/reset_prefix_cache",
+    "/reset_mm_cache", "/reset_encoder_cache", "/server_info", "/pause", "/resume",
+    "/is_paused", "/abort_requests", "/init_weight_transfer_engine", "/start_weight_update",
+    "/start_draft_weight_update", "/update_weights", "/finish_weight_update", "/get_world_size",
+})
 QUEUE_BUCKETS = (0.001, 0.01, 0.1, 1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, math.inf)
 STREAM_DONE = b"data: [DONE]"
 STREAM_ERROR = b'data: {"error"'  # an OpenAI-style error event in a stream
@@ -240,6 +248,11 @@ class Front:
         to it."""
         self._call(self._set_up, generation)
 
+    def point(self, engine: tuple[str, int]) -> None:
+        """The next engine listens at ``engine`` (a failover to the standby): requests sent
+        from now on go there."""
+        self._call(self._set_engine, engine)
+
     def engine_down(self, reason: str) -> None:
         """The engine stops serving (a restart began): requests wait from now on, and one that
         failed on it is replayed on the next."""
@@ -289,6 +302,12 @@ class Front:
                           longest_wait=round(burst.longest_wait, 2))
         await self._notify()
 
+    async def _set_engine(self, engine: tuple[str, int]) -> None:
+        if engine != self.engine:
+            self.log.info("front_engine_moved", engine=_host_port(*engine),
+                          was=_host_port(*self.engine))
+            self.engine = engine
+
     async def _set_down(self, reason: str) -> None:
         if self._open:
             self._dead_gen = self._gen
@@ -317,6 +336,8 @@ class Front:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         if self._draining or self._refusing is not None:
             return self._refuse(request)
+        if request.path in ENGINE_ONLY:
+            return _error(404, f"{request.path} is not served on the client port", "not_found")
         rid = next(self._ids)
         arrived = self.clock()
         with self._lock:
@@ -594,14 +615,18 @@ class _Collector:
 def steer(front: Front) -> Listener:
     """A supervisor listener that opens and closes the front on the supervisor's transitions:
     into READY (from a state that did not serve) a new engine serves; into RESTARTING the
-    engine stops serving (requests wait; one that fails on it is replayed on the next); into
+    engine stops serving (requests wait; one that fails on it is replayed on the next; so too
+    into REBUILDING, while the serving engine sleeps for a new standby's start); into
     STOPPING the front drains; into FAILED no engine will come (503 at once)."""
     def on_event(event: Event) -> None:
+        if isinstance(event, EngineMoved):
+            front.point((event.host, event.port))
+            return
         if not isinstance(event, Transition):
             return
         if event.dst in SERVING_STATES and event.src not in SERVING_STATES:
             front.engine_up(object())
-        elif event.dst is State.RESTARTING:
+        elif event.dst in (State.RESTARTING, State.REBUILDING):
             front.engine_down(event.reason)
         elif event.dst is State.STOPPING:
             front.drain()

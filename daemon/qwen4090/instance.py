@@ -480,7 +480,8 @@ class Instance:
         self.sleep = sleep
         self.host, self.port = host, port
         self.lock: _Lock | None = None
-        self.record: ChildRecord | None = None
+        self.record: ChildRecord | None = None  # the last group spawned
+        self.records: dict[Path, ChildRecord] = {}  # each engine port's group (issue 21)
 
     @classmethod
     def take(cls, cfg: Config, log: Any, env: Mapping[str, str] | None = None) -> Instance:
@@ -517,11 +518,23 @@ class Instance:
     def record_path(self) -> Path:
         return self.dir / f"{instance_name(self.host, self.port)}.child.json"
 
+    def record_path_for(self, cfg: Config) -> Path:
+        """The record of the group on this launch's port: the serving engine and a standby
+        take turns on front.engine_port and the port above it, each with its own record."""
+        if not cfg.front.enabled or cfg.vllm.port == cfg.front.engine_port:
+            return self.record_path
+        return self.dir / f"{instance_name(self.host, self.port)}.child-{cfg.vllm.port}.json"
+
+    def record_paths(self) -> list[Path]:
+        return [self.record_path,
+                *sorted(self.dir.glob(f"{instance_name(self.host, self.port)}.child-*.json"))]
+
     def close(self, group_gone: bool) -> None:
-        """At exit: forget the record once our group is gone; drop the lock."""
+        """At exit: forget the records once our groups are gone; drop the lock."""
         if group_gone:
-            with contextlib.suppress(OSError):
-                self.record_path.unlink()
+            for path in self.record_paths():
+                with contextlib.suppress(OSError):
+                    path.unlink()
         if self.lock is not None:
             if self.lock.fd is not None:  # the lock file stays: unlinking it would race one
                 os.close(self.lock.fd)
@@ -561,14 +574,19 @@ class Instance:
         leader = _proc_info(child.pid)
         if leader is not None:
             self._write(ChildRecord(child.pid, leader.pgid, leader.create_time, leader.cmdline,
-                                    os.getpid()), new_leader=True)
+                                    os.getpid()), new_leader=True,
+                        path=self.record_path_for(cfg))
         return child
 
-    def _write(self, rec: ChildRecord, new_leader: bool = False) -> None:
+    def _write(self, rec: ChildRecord, new_leader: bool = False, path: Path | None = None
+               ) -> None:
         """The record on disk, or (said once per file) why not: the supervisor serves on
         without it, and never leaves a record of an earlier group in its place."""
+        if path is None:  # a refresh: the file that holds this leader
+            path = next((p for p, r in self.records.items() if r.pid == rec.pid),
+                        self.record_path)
         self.record = rec
-        path = self.record_path
+        self.records[path] = rec
         try:
             atomicfile.write_text(path, rec.to_json())
         except OSError as e:
@@ -588,7 +606,8 @@ class Instance:
     def _refresh(self, infos: list[ProcInfo]) -> None:
         """Keep the group as it is now in the record: its members start after the leader, and
         a wrapper that exec()s vLLM changes the leader's command line."""
-        rec = self.record
+        pids = {i.pid for i in infos}
+        rec = next((r for r in self.records.values() if r.pid in pids), self.record)
         if rec is None:
             return
         leader = next((i for i in infos if i.pid == rec.pid
@@ -634,18 +653,23 @@ class Instance:
     # --- what a previous instance left ------------------------------------------------------
 
     def stop_orphans(self, term_timeout: float) -> list[int]:
-        """Stop the vLLM group a killed supervisor left (verified); the pids stopped (the GPU
-        part then waits for their memory: gpu.GpuParts.wait_released)."""
+        """Stop the vLLM groups a killed supervisor left (verified: the serving engine's and a
+        standby's); the pids stopped (the GPU part then waits for their memory:
+        gpu.GpuParts.wait_released)."""
+        return [pid for path in self.record_paths()
+                for pid in self._stop_orphans_of(path, term_timeout)]
+
+    def _stop_orphans_of(self, path: Path, term_timeout: float) -> list[int]:
         try:
-            rec = ChildRecord.from_json(self.record_path.read_text(encoding="utf-8"))
+            rec = ChildRecord.from_json(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return []
         except OSError as e:
-            self.log.warning("child_record_unreadable", path=str(self.record_path),
+            self.log.warning("child_record_unreadable", path=str(path),
                              error=e.strerror or str(e))
             return []
         if rec is None:
-            self.log.warning("child_record_unreadable", path=str(self.record_path),
+            self.log.warning("child_record_unreadable", path=str(path),
                              error="not a child record")
             return []
         live = [i for p in rec.processes() if (i := _proc_info(p.pid)) is not None]
@@ -660,12 +684,12 @@ class Instance:
                                     "left alone (the port check names them if they hold it)")
         if not verdict.ours:
             with contextlib.suppress(OSError):
-                self.record_path.unlink()
+                path.unlink()
             return []
         pids = [p.pid for p in verdict.ours]
         start = self.clock()
         self.log.warning("orphan_found", pids=pids, pgid=rec.pgid,
-                         supervisor_pid=rec.supervisor_pid, record=str(self.record_path),
+                         supervisor_pid=rec.supervisor_pid, record=str(path),
                          processes="; ".join(p.describe() for p in verdict.ours))
         how = self._stop(rec.pgid if verdict.group else None, verdict.ours, term_timeout)
         left = self._alive(verdict.ours)
@@ -676,7 +700,7 @@ class Instance:
         self.log.warning("orphan_stopped", pids=pids, signal=how,
                          seconds=round(self.clock() - start, 2))
         with contextlib.suppress(OSError):
-            self.record_path.unlink()
+            path.unlink()
         return pids
 
     def _alive(self, procs: Iterable[ProcInfo]) -> list[ProcInfo]:

@@ -9,7 +9,8 @@ fingerprint and the same argv.  Each step works on the result of the one before:
 3. "auto" limits chosen by the KV-cache plan (plan.py), when the GPU and the model are known
    and ``gpu.enabled`` is not "off" (with it off the plan is only shown, never applied);
 4. the fixed KV budget of the last good start (``restart.fixed_kv_budget``, kvbudget.py);
-5. the address: behind the front (``front.enabled``), vLLM listens on 127.0.0.1:engine_port.
+5. the address: behind the front (``front.enabled``), vLLM listens on 127.0.0.1:engine_port;
+6. the standby (``restart.standby = "sleep"``): every engine may sleep (vLLM's sleep mode).
 
 :func:`resolve` is pure (facts in, a :class:`Launch` out); :func:`read_facts` does the I/O.
 The commands that show and reset what a launch gets, ``plan`` and ``reset-learned``, are
@@ -152,7 +153,7 @@ def resolve(cfg: Config, facts: Facts) -> Launch:
     if n is not None:
         settings[KV_KEY] = Setting(n, Origin.KV_BUDGET, kv_note or "")
         chosen = kvbudget.with_budget(chosen, n)
-    chosen = behind_front(chosen)
+    chosen = with_sleep_mode(behind_front(chosen))
     return Launch(config=chosen, argv=tuple(render_argv(chosen.vllm)), settings=settings,
                   gpu=facts.gpu, fingerprint=fp, kv_base=kv_base, plan=the_plan,
                   no_plan=no_plan,
@@ -166,6 +167,36 @@ def behind_front(cfg: Config) -> Config:
         return cfg
     return dataclasses.replace(cfg, vllm=dataclasses.replace(
         cfg.vllm, host="127.0.0.1", port=cfg.front.engine_port))
+
+
+SLEEP_FLAG = "--enable-sleep-mode"
+# vLLM serves /sleep, /wake_up and /is_sleeping only in its development mode; the front never
+# passes those paths on (front.ENGINE_ONLY), so only the supervisor reaches them.
+DEV_MODE = "VLLM_SERVER_DEV_MODE"
+
+
+def with_sleep_mode(cfg: Config) -> Config:
+    """With ``restart.standby = "sleep"`` every engine is started able to sleep: the standby
+    sleeps until a failover, and the serving engine sleeps while a new standby starts."""
+    if cfg.restart.standby != "sleep" or SLEEP_FLAG in cfg.vllm.extra_args:
+        return cfg
+    return dataclasses.replace(cfg, vllm=dataclasses.replace(
+        cfg.vllm, extra_args=[*cfg.vllm.extra_args, SLEEP_FLAG],
+        env={**cfg.vllm.env, DEV_MODE: "1"}))
+
+
+def engine_ports(cfg: Config) -> tuple[int, int]:
+    """The two loopback ports the serving engine and the standby take turns on."""
+    return cfg.front.engine_port, cfg.front.engine_port + 1
+
+
+def on_port(chosen: Launch, port: int) -> Launch:
+    """The same launch listening on ``port`` (the standby's, or the next serving engine's)."""
+    if chosen.config.vllm.port == port:
+        return chosen
+    cfg = dataclasses.replace(chosen.config, vllm=dataclasses.replace(chosen.config.vllm,
+                                                                      port=port))
+    return dataclasses.replace(chosen, config=cfg, argv=tuple(render_argv(cfg.vllm)))
 
 
 def _changed(before: Config, after: Config) -> list[str]:

@@ -32,6 +32,8 @@ class Facts:
     port_holder: str  # who holds it while preflight waits ("" = not waiting)
     warnings: int = 0  # logged by the running vLLM's preflight (risky settings, the plan)
     front: Any = None  # front.FrontSample: the client port's counts (None: no front)
+    standby: str = ""  # the standby's state ("" = restart.standby off)
+    waking: bool = False  # a failover: the standby is being woken and checked
 
 
 def render(f: Facts, note: str = "") -> str:
@@ -50,10 +52,14 @@ def render(f: Facts, note: str = "") -> str:
         line = f"{s.value}: {v.served_model_name} ctx={ctx} seqs={v.max_num_seqs}{ttft}{tail}"
         if s == S.DEGRADED:
             line += f" ({f.reason})"
+        if f.standby:
+            line += f"; standby {f.standby}"
     elif s in (S.STARTING, S.LOADING) and f.pid is not None:
         line = f"{s.value}: {v.served_model_name} (pid {f.pid}, {int(f.run_seconds)}s){tail}"
     elif s == S.WARMING:
         line = f"warming: {f.warming or 'starting'}{tail}"
+    elif s == S.RESTARTING and f.waking:
+        line = f"failing over to the standby after {f.cause}{tail}"
     elif s == S.RESTARTING:
         when = "" if f.restart_in is None else f" in {max(0, f.restart_in):.0f}s"
         line = f"restarting{when} after {f.cause} ({f.failures}/{f.budget} failures in " \

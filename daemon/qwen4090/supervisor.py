@@ -26,6 +26,7 @@ from qwen4090.contracts import (
     ChildLike,
     CompletionResult,
     HealthResult,
+    Launch,
     MetricsResult,
     Parts,
     PortOwner,
@@ -33,15 +34,17 @@ from qwen4090.contracts import (
 )
 from qwen4090.events import (
     ChildExitSeen,
+    EngineMoved,
     Event,
     GpuSampled,
     Reloaded,
     Restarted,
+    StandbyWoken,
     SteppedDown,
     Transition,
     WarmedUp,
 )
-from qwen4090.launch import behind_front, configured
+from qwen4090.launch import behind_front, configured, engine_ports
 from qwen4090.policy import (
     EX_CONFIG,
     EX_GPU,
@@ -56,6 +59,7 @@ from qwen4090.policy import (
 from qwen4090.portguard import PortGuard
 from qwen4090.redact import safe_error
 from qwen4090.run import Fail, Move, Run, Verdict
+from qwen4090.standby import Ask, Keeper, answered, check_job
 from qwen4090.states import State
 
 S = State
@@ -101,6 +105,15 @@ class Supervisor:
         self.last_extend = -1e18
         self.last_status = ""
         self.port = PortGuard(self.log)  # vLLM's port while another process holds it
+        # the standby engine and its builds (issue 21; standby.py)
+        self.keeper = Keeper(cfg.restart.standby if cfg.front.enabled else "off", self.log,
+                             parts.spawn, parts.make_probe,
+                             lambda fn: self.p.executor.submit(fn), parts.clock, since=now)
+        self.front_engine = (self.engine_cfg.vllm.host, self.engine_cfg.vllm.port)
+        self.takeover = False  # the failure being stopped will be taken over by the standby
+        self.waking = False  # the standby is being woken and checked (state RESTARTING)
+        self.fell_back = False  # ... and failed: its group is stopped, then a normal restart
+        self.failover_pending = False  # the failed group is gone: wake once the GPU let go
 
     # --- public surface ------------------------------------------------------------------
 
@@ -173,6 +186,7 @@ class Supervisor:
         self.harvest(now)
         self.reap(now)
         self.handle_engine_deaths(now)
+        self.step_standby(now)
         getattr(self, f"step_{self.state.value}")(now)
         self.heartbeat(now)
         self.moved = self.state is not before
@@ -180,8 +194,10 @@ class Supervisor:
     def snapshot(self) -> dict[str, Any]:
         """Facts for status output (JSON-friendly): /status, `qwen4090 status`, the page."""
         now = self.p.clock()
-        return statusline.snapshot(self.facts(now), [asdict(r) for r in self.crashes.history],
+        snap = statusline.snapshot(self.facts(now), [asdict(r) for r in self.crashes.history],
                                    self.last_status)
+        snap["standby"] = self.keeper.status(now)
+        return snap
 
     # --- loop steps ------------------------------------------------------------------------
 
@@ -206,6 +222,8 @@ class Supervisor:
         serving = self.state in states.SERVING_STATES
         self.notify_stopping(f"stopping: {why}")
         self.transition(now, S.STOPPING, why)
+        self.waking = self.fell_back = self.failover_pending = False
+        self.keeper.discard(now, f"stopping: {why}", self.cfg.stop.term_timeout)
         if run is None:
             return
         run.cancel_tasks()
@@ -252,12 +270,20 @@ class Supervisor:
         old = self.cfg
         self.cfg = new
         self.crashes.reconfigure(new.restart)
+        mode = new.restart.standby if new.front.enabled else "off"
+        if mode != self.keeper.mode:
+            self.old_pids += self.keeper.discard(now, f"restart.standby = {mode!r} now",
+                                                 self.cfg.stop.term_timeout)
+            self.keeper.set_mode(mode, now)
         if self.run is not None:
             self.run.reconfigure(new, "watch" in changed)
         self.log.info("reloaded", changed=",".join(changed) or "nothing",
                       files=",".join(new.sources))
         self.emit(Reloaded(tuple(changed)))
         why = "[vllm] settings changed" if "vllm" in changed else self.runtime_changed(new)
+        if not why and "sleep" in (old.restart.standby, new.restart.standby) \
+                and old.restart.standby != new.restart.standby:
+            why = "restart.standby changed vLLM's sleep mode (--enable-sleep-mode)"
         if why and self.state in states.CHILD_STATES:
             self.log.warning("restart_for_reload", reason=why,
                              old_argv_len=len(old.vllm.command))
@@ -297,6 +323,10 @@ class Supervisor:
         if run is None:
             return
         for task, result in run.finished(now):
+            if task.kind.startswith("standby_"):  # the build's sleep and wake (standby.py)
+                self.carry_out(now, self.keeper.on_serving_job(now, task.kind, result, run,
+                                                               self.standby_launch))
+                continue
             getattr(self, f"on_{task.kind}")(now, result, task.started)
 
     def reap(self, now: float) -> None:
@@ -318,6 +348,10 @@ class Supervisor:
         until its own watchdog ends it, seconds later (issue 10.2)."""
         while self.engine_deaths:
             child, line = self.engine_deaths.popleft()
+            if self.keeper.run is not None and child is self.keeper.run.child:
+                self.carry_out(now, self.keeper.lost(now, f"its engine died: {line[:200]}",
+                                                     self.cfg, self.run))
+                continue
             run = self.run
             if run is None or child is not run.child or self.state not in states.CHILD_STATES:
                 continue  # an old child's late line, or a stop/restart under way already
@@ -353,6 +387,100 @@ class Supervisor:
         if self.state == S.WARMING:
             return now - run.last_warmup_step < PROGRESS_WINDOW
         return now - run.child.last_output < PROGRESS_WINDOW
+
+    # --- the standby (issue 21; standby.py) --------------------------------------------------
+
+    def step_standby(self, now: float) -> None:
+        """The standby's own start and the build around it; a build begins when it is due."""
+        k = self.keeper
+        if not k.on and k.run is None and not k.dying:
+            return
+        serving = self.run if self.state in (S.READY, S.DEGRADED, S.REBUILDING) \
+            and not self.waking else None
+        front = self.p.front.sample()
+        k.note_quiet(now, front)
+        self.carry_out(now, k.step(now, self.cfg, self.p.ports, serving, front))
+        if serving is not None and k.due(now, self.state, self.cfg):
+            ask = k.begin(now, serving, self.standby_launch)
+            if ask is not None:
+                self.carry_out(now, [ask])
+
+    def carry_out(self, now: float, asks: list[Ask]) -> None:
+        for ask in asks:
+            if ask.what == "hold" and self.state is S.READY:
+                self.transition(now, S.REBUILDING, ask.reason)
+            elif ask.what == "resume" and self.state is S.REBUILDING:
+                assert self.run is not None
+                self.run.became_ready(now)  # the watch starts over: it slept
+                self.transition(now, S.READY, ask.reason)
+            elif ask.what == "fail" and ask.verdict is not None:
+                self.fail(now, ask.verdict)
+
+    def standby_launch(self) -> tuple[Launch, int]:
+        """The standby's launch: the serving engine's settings (and its fixed KV budget) on
+        the other of the two engine ports."""
+        chosen = self.p.gpu.launch(self.cfg)
+        serving = self.run.config.vllm.port if self.run is not None else -1
+        port = next(p for p in engine_ports(self.cfg) if p != serving)
+        return chosen, port
+
+    def step_rebuilding(self, now: float) -> None:
+        """The serving engine sleeps (or wakes) for a standby's build: no polls nor canaries
+        (an engine asleep answers none); the keeper bounds each step."""
+
+    def begin_failover(self, now: float) -> None:
+        """The failed group is gone (and, asleep standby, its GPU memory): wake the standby."""
+        assert self.failure is not None
+        run = self.keeper.promote(now, self.failure.cause.value, self.state_since)
+        self.run = run
+        self.waking = True
+        self.log.info("failover_started", cause=self.failure.cause.value, pid=run.child.pid,
+                      port=run.config.vllm.port, asleep=self.keeper.sleeps)
+        self.state_reason = f"failover: waking the standby (pid {run.child.pid})"
+
+    def on_failover_wake(self, now: float, res: HealthResult, started: float) -> None:
+        run = self.run
+        if not self.waking or run is None:
+            return
+        if not res.ok:
+            self.failover_failed(now, f"the wake failed: {res.error}")
+            return
+        self.keeper.woken(now)
+        self.emit(StandbyWoken(now - started))
+        run.submit(now, "failover_check", check_job(run.probe, self.cfg.restart.wake_timeout))
+
+    def on_failover_check(self, now: float, res: CompletionResult, started: float) -> None:
+        run = self.run
+        if not self.waking or run is None:
+            return
+        if why := answered(res, self.keeper.promoted_answer):
+            self.failover_failed(now, f"its check: {why}")
+            return
+        self.waking = False
+        cur = self.keeper.current
+        self.keeper.failover_done(now, ok=True)
+        f = self.keeper.last_failover
+        self.log.info("failover_done", cause=f.cause if f else None, pid=run.child.pid,
+                      port=run.config.vllm.port,
+                      seconds=round(f.seconds, 3) if f and f.seconds is not None else None,
+                      wake_seconds=f.as_json()["wake_seconds"] if f else None,
+                      kv_tokens=cur.kv_tokens if cur else None)
+        self.launch = run.launch
+        self.become_ready(now, "failover: the standby serves")
+
+    def failover_failed(self, now: float, why: str) -> None:
+        """A wake that failed, hung or answered wrong: the standby is stopped, then the normal
+        restart (issue 21.5)."""
+        run = self.run
+        assert run is not None
+        self.log.error("failover_failed", reason=why, pid=run.child.pid,
+                       fallback="the normal restart")
+        self.waking = False
+        self.fell_back = True
+        self.keeper.failover_done(now, ok=False)
+        self.keeper.detail = f"last failover failed: {why}"
+        self.old_pids += run.abort(now, self.cfg.stop.term_timeout, hung=True)
+        run.kill_group(now, "the standby did not take over")
 
     # --- per-state steps -----------------------------------------------------------------
 
@@ -432,6 +560,10 @@ class Supervisor:
     def become_ready(self, now: float, why: str) -> None:
         run = self.run
         assert run is not None
+        addr = (run.config.vllm.host, run.config.vllm.port)
+        if self.cfg.front.enabled and addr != self.front_engine:
+            self.emit(EngineMoved(*addr))  # before READY: the front opens on the new address
+            self.front_engine = addr
         self.transition(now, S.READY, why)
         self.ready_since = now
         run.became_ready(now)
@@ -498,14 +630,33 @@ class Supervisor:
 
     def step_restarting(self, now: float) -> None:
         run = self.run
+        if self.waking:  # the standby is taking over: its wake and check are harvested
+            limit = 2 * self.cfg.restart.wake_timeout + 5
+            if now - self.keeper.since > limit:
+                self.failover_failed(now, f"no wake and check within {limit:g}s")
+            return
         if run is not None:
             if not run.reap_group(now) or not run.last_lines_in(now):
                 return  # vLLM's last lines are still on their way (never blocking the loop)
+            if self.fell_back:  # the standby that did not take over: now a normal restart
+                self.fell_back = False
+                self.gone_at = now
+                self.run = None
+                self.restart_at = now
+                self.log.warning("restart_scheduled", cause="failover_failed", delay=0.0,
+                                 restarts=self.crashes.restarts)
+                return
             tail = run.child.tail_lines()
             self.reclassify_exit(now, run, tail)
             self.gone_at = now
             self.run = None
             self.after_child_gone(now, tail)
+            return
+        if self.failover_pending:
+            if not self.gpu_released(now):  # an asleep standby wakes into that memory
+                return
+            self.failover_pending = False
+            self.begin_failover(now)
             return
         if self.restart_at is not None and now >= self.restart_at:
             if not self.gpu_released(now):
@@ -533,11 +684,19 @@ class Supervisor:
             code = EX_GPU if v.cause == Cause.GPU_FATAL else EX_CONFIG
             self.give_up(now, code, f"{v.cause.value}: {v.detail}")
             return
+        takeover = self.takeover and self.keeper.takes_over(v, serving=True)
+        self.takeover = False
         if v.cause == Cause.OOM:
             self.step_down(v, tail)
         if counted and (spent := self.crashes.spent(now, self.cfg.restart, v)) is not None:
             self.give_up(now, EX_TEMPFAIL, spent)
             return
+        if takeover:
+            self.failover_pending = True
+            return
+        if self.keeper.run is not None:  # a normal restart: the standby has the old settings
+            self.old_pids += self.keeper.discard(now, f"a restart after {v.cause.value}",
+                                                 self.cfg.stop.term_timeout)
         delay = backoff_delay(self.crashes.consecutive, self.cfg.restart, self.p.rand) \
             if counted and not self.after_stable else 0.0
         self.restart_at = now + delay
@@ -587,7 +746,8 @@ class Supervisor:
     def step_stopping(self, now: float) -> None:
         run = self.run
         if run is None:
-            self.finish_stop(now)
+            if self.keeper.reap_dying(now):  # the standby's group is gone too
+                self.finish_stop(now)
             return
         if run.drain is not None:
             over = run.drain_step(now, self.cfg.watch.health_timeout, self.p.front.sample())
@@ -602,7 +762,8 @@ class Supervisor:
             return
         if run.reap_group(now):
             self.run = None
-            self.finish_stop(now)
+            if self.keeper.reap_dying(now):
+                self.finish_stop(now)
 
     def finish_stop(self, now: float) -> None:
         self.exit_code = EX_OK
@@ -638,6 +799,12 @@ class Supervisor:
         # fault after a long healthy period is not a crash loop; the next ones back off.
         self.after_stable = self.served_stably(now)
         started = self.state not in states.SERVING_STATES
+        serving = self.state in (S.READY, S.DEGRADED, S.REBUILDING)
+        self.takeover = self.keeper.takes_over(verdict, serving)
+        self.keeper.build = None  # a build ends with the engine it slept for
+        if self.keeper.run is not None and not self.keeper.ready:
+            self.old_pids += self.keeper.discard(now, "the serving engine failed during the "
+                                                 "standby's build", self.cfg.stop.term_timeout)
         self.failure = verdict
         level = self.log.info if verdict.cause in NOT_FAILURES else self.log.error
         run = self.run
@@ -650,9 +817,13 @@ class Supervisor:
         if started and self.p.gpu.forget_kv(run.launch):
             self.log.warning("kv_budget_forgotten", reason="a start with the fixed KV budget "
                                                            "failed; the next one profiles again")
-        self.old_pids = run.abort(now, self.cfg.stop.term_timeout, verdict.cause is Cause.HANG)
+        self.old_pids += run.abort(now, self.cfg.stop.term_timeout, verdict.cause is Cause.HANG)
+        if self.takeover:  # a polite stop of a failed engine would only delay the standby
+            run.kill_group(now, "failover: the standby takes over")
 
     def give_up(self, now: float, code: int, why: str) -> None:
+        self.keeper.discard(now, f"giving up: {why}", self.cfg.stop.term_timeout)
+        self.keeper.kill_all()  # the loop ends now: no waiting for the standby's group
         self.exit_code = code
         self.log.critical("giving_up", exit_code=code, reason=why)
         self.transition(now, S.FAILED, why)
@@ -696,6 +867,8 @@ class Supervisor:
             cause=self.failure.cause.value if self.failure else "?",
             failures=self.crashes.budget.count(now), budget=c.restart.budget_failures,
             stop_phase="stop" if run is None else "drain" if run.drain is not None else "term",
-            port=f"{self.engine_cfg.vllm.host}:{self.engine_cfg.vllm.port}",
+            port=f"{(run.config if run else self.engine_cfg).vllm.host}:"
+                 f"{(run.config if run else self.engine_cfg).vllm.port}",
             port_holder=self.port.holder, warnings=run.warnings if run else 0,
-            front=self.p.front.sample())
+            front=self.p.front.sample(),
+            standby=self.keeper.phase.value if self.keeper.on else "", waking=self.waking)

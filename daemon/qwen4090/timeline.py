@@ -32,7 +32,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from qwen4090.events import ChildExitSeen, Event, HangSeen, Restarted, Transition
+from qwen4090.events import ChildExitSeen, Event, HangSeen, Restarted, StandbyWoken, Transition
 from qwen4090.states import State
 from qwen4090.vllmfacts import LineMatch, match_line
 
@@ -104,11 +104,13 @@ class StartupTimeline:
 
 # --- one recovery -------------------------------------------------------------------------------
 
-RECOVERY_MARKS = ("fault", "detected", "group_gone", "relaunched", "ready")
+RECOVERY_MARKS = ("fault", "detected", "group_gone", "relaunched", "woken", "ready")
 # Phases of a recovery, each ending at a mark: how long until we noticed, until the old group
-# was gone, until the relaunch (backoff, GPU release wait, preflight), until READY again.
+# was gone, until the relaunch (backoff, GPU release wait, preflight), until READY again.  A
+# failover to the standby (issue 21) has no relaunch: its standby is woken ("wake"), then its
+# known answer checked ("check").
 RECOVERY_PHASES = {"detected": "detect", "group_gone": "stop", "relaunched": "backoff",
-                   "ready": "start"}
+                   "woken": "wake", "ready": "start"}
 FAULT_LINE_WINDOW = 30.0  # an ERROR line this long before detection is taken as the fault
 
 
@@ -133,9 +135,11 @@ class RecoveryTimeline:
         for k in RECOVERY_MARKS:
             if k in self.at:
                 if prev is not None:
-                    took[RECOVERY_PHASES[k]] = round(self.at[k] - self.at[prev], 3)
+                    phase = "check" if k == "ready" and prev == "woken" else RECOVERY_PHASES[k]
+                    took[phase] = round(self.at[k] - self.at[prev], 3)
                 prev = k
         return {"cause": self.cause, "total": secs.get("ready"), "at": secs, "took": took,
+                "failover": "woken" in self.at,
                 "fault_source": self.fault_source, "attempts": self.attempts,
                 "detected_wall": round(self.detected_wall, 3)}
 
@@ -143,7 +147,8 @@ class RecoveryTimeline:
 # --- the glue: listener + line sink + log + /status + /metrics ----------------------------------
 
 PHASE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 8, 13, 20, 30, 45, 60, 90, 120, 180, 300, 600)
-_CHILD_STATES = {s.value for s in (S.STARTING, S.LOADING, S.WARMING, S.READY, S.DEGRADED)}
+_CHILD_STATES = {s.value for s in (S.STARTING, S.LOADING, S.WARMING, S.READY, S.DEGRADED,
+                                   S.REBUILDING)}
 _SERVING = {S.READY.value, S.DEGRADED.value}
 
 
@@ -213,6 +218,8 @@ class TimelineWatch:
                 self.exit_seen = now
             elif isinstance(event, Restarted) and self.recovery is not None:
                 self.recovery.at.setdefault("group_gone", now)
+            elif isinstance(event, StandbyWoken) and self.recovery is not None:
+                self.recovery.at["woken"] = now
             elif isinstance(event, Transition):
                 done = self._transition(now, event.src.value, event.dst.value, event.reason)
         for name, report in done:  # log and observe outside the lock
@@ -227,6 +234,13 @@ class TimelineWatch:
                 self.recovery.at["relaunched"] = now  # the last relaunch is the one that counts
         elif dst == S.WARMING.value and self.current is not None:
             self.current.mark("health", now)
+        elif dst == S.READY.value and src == S.RESTARTING.value and self.recovery is not None:
+            # a failover: the standby serves (no start of ours to time)
+            self.recovery.at["ready"] = now
+            out.append(("recovery_timeline", self.recovery.report()))
+            self.last_recovery = out[-1][1]
+            self.recovery = None
+            self.last_error_line = self.stalled_since = self.exit_seen = None
         elif dst == S.READY.value and src == S.WARMING.value:
             if self.current is not None:
                 self.current.mark("ready", now)

@@ -130,6 +130,9 @@ class FakeProbe:
         self.canary_error = False  # an error answer (HTTP 500) instead of a timeout
         self.canaries = 0
         self.metrics_fail = False  # /metrics cannot be read
+        self.answer = "the known answer"  # a canary's text (the standby's check compares it)
+        self.controls: list[str] = []  # POSTs of /sleep and /wake_up, in order
+        self.control_ok = True
 
     def health(self, timeout: float) -> HealthResult:
         return HealthResult(self.healthy, 200 if self.healthy else None, 0.001,
@@ -145,11 +148,17 @@ class FakeProbe:
     def complete(self, prompt: Any, max_tokens: int, timeout: float) -> CompletionResult:
         self.canaries += 1
         if self.canary_ok:
-            return CompletionResult(True, 0.01, 0.02, 1)
+            return CompletionResult(True, 0.01, 0.02, 1, text=self.answer)
         if self.canary_error:
             return CompletionResult(False, None, 0.01, 0, "HTTP 500: EngineDeadError")
         return CompletionResult(False, None, timeout, 0, f"no answer within {timeout:g}s",
                                 timed_out=True)
+
+
+    def control(self, path: str, timeout: float) -> HealthResult:
+        self.controls.append(path)
+        return HealthResult(self.control_ok, 200 if self.control_ok else 500, 0.001,
+                            "" if self.control_ok else "HTTP 500: sleep mode is off")
 
 
 class Notifier:

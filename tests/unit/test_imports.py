@@ -46,7 +46,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "gpu": ("gpu", "xid"),
     # the daemon: the supervisor, its contracts and one vLLM run, the signals, the status
     # endpoint
-    "service": ("supervisor", "contracts", "run", "statusline", "portguard", "signals",
+    "service": ("supervisor", "contracts", "run", "standby", "statusline", "portguard", "signals",
                 "httpapi"),
     # what a user runs: the composition root and the commands
     "commands": ("cli", "__main__", "commands", "plancmd", "statuscmd", "provision", "bench"),

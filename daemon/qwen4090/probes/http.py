@@ -50,6 +50,7 @@ class CompletionResult:
     error: str = ""
     finish_reason: str | None = None
     timed_out: bool = False  # no answer in time (as opposed to an error answer)
+    text: str = ""  # the answer's text (greedy: the same weights give the same text)
 
 
 class ProbeLike(Protocol):
@@ -60,6 +61,7 @@ class ProbeLike(Protocol):
     def metrics(self, timeout: float) -> MetricsResult: ...
     def complete(self, prompt: Sequence[int] | str, max_tokens: int, timeout: float
                  ) -> CompletionResult: ...
+    def control(self, path: str, timeout: float) -> HealthResult: ...
 
 
 class VllmProbe:
@@ -101,6 +103,24 @@ class VllmProbe:
         ok = status == 200
         return HealthResult(ok, status, self.clock() - start, "" if ok else f"HTTP {status}")
 
+    def control(self, path: str, timeout: float) -> HealthResult:
+        """One POST of vLLM's engine control (``/sleep?level=1``, ``/wake_up``): a 200 or why
+        not.  vLLM answers once the engine has done it."""
+        start = self.clock()
+        try:
+            conn = self._conn(timeout)
+            try:
+                conn.request("POST", path, headers=self._headers(True))
+                resp = conn.getresponse()
+                status, body = resp.status, resp.read(2000)
+            finally:
+                conn.close()
+        except Exception as e:  # never raise; e's text may hold a header: _why is safe
+            return HealthResult(False, None, self.clock() - start, _why(e, timeout))
+        ok = status == 200
+        return HealthResult(ok, status, self.clock() - start, "" if ok else
+                            f"HTTP {status}: {_error_text(body.decode('utf-8', 'replace'))}")
+
     def metrics(self, timeout: float) -> MetricsResult:
         start = self.clock()
         try:
@@ -129,6 +149,7 @@ class VllmProbe:
         ttft: float | None = None
         tokens = 0
         finish: str | None = None
+        pieces: list[str] = []
         try:
             conn = self._conn(timeout)
             try:
@@ -164,6 +185,7 @@ class VllmProbe:
                     for choice in chunk.get("choices") or []:
                         if choice.get("text") is not None:
                             tokens += 1
+                            pieces.append(str(choice["text"]))
                             if ttft is None:
                                 ttft = self.clock() - start
                         if choice.get("finish_reason"):
@@ -180,7 +202,7 @@ class VllmProbe:
         if finish == "abort":
             return CompletionResult(False, ttft, seconds, tokens, "request aborted by vLLM",
                                     finish)
-        return CompletionResult(True, ttft, seconds, tokens, "", finish)
+        return CompletionResult(True, ttft, seconds, tokens, "", finish, text="".join(pieces))
 
 
 def _why(e: BaseException, timeout: float) -> str:

@@ -1,0 +1,501 @@
+"""The standby engine (issue 21): a second vLLM of the same model that takes over in a blip.
+
+``restart.standby = "sleep"``: the standby is started in full (weights, KV cache, compiled
+graphs), gives its known answer (a greedy completion: the same weights give the same text),
+and is put to sleep at level 1 (vLLM's sleep mode: the weights wait in pinned host memory,
+about 1 GiB stays on the GPU).  On one GPU an engine can size its KV cache only while the
+memory is free, so the serving engine sleeps while a standby starts (the supervisor's
+REBUILDING state; the front holds requests meanwhile).  ``"awake"`` keeps a full second engine
+beside the serving one (twice the memory: CPU vLLM, the tests), with no sleeping at all.
+
+On a crash or a hang of the serving engine, the supervisor kills the failed group, wakes the
+standby, checks its known answer and points the front at it: READY again in about a second.
+Not for an OOM (the same settings would fail again: the ladder's) or a reload (new settings).
+
+The :class:`Keeper` owns the standby (its :class:`run.Run`, its jobs and its state) and the
+build, which needs the serving engine's sleep and wake; it never changes the daemon's state:
+it asks the supervisor (:class:`Ask`), which owns it.  Its decisions about time are pure
+(``due``, ``quiet``) and its clock is the supervisor's.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from qwen4090 import launch as launch_mod
+from qwen4090.config import Config
+from qwen4090.contracts import (
+    ChildLike,
+    CompletionResult,
+    FrontSample,
+    HealthResult,
+    Launch,
+    LogLike,
+    ProbeLike,
+)
+from qwen4090.policy import Cause, ExitVerdict
+from qwen4090.redact import safe_error
+from qwen4090.run import Fail, Move, Run
+from qwen4090.states import State
+
+# The known answer: a greedy completion of these token ids (ids < 1000 exist in every
+# vocabulary we serve), long enough that a broken wake cannot give it by chance.
+CHECK_PROMPT = (785, 11, 330, 4, 42, 17)
+CHECK_TOKENS = 8
+SLEEP_LEVEL = 1  # the weights to host memory, the KV cache dropped: the wake is a copy back
+# Faults the standby takes over from.  Not OOM (the same settings fail again: the ladder),
+# not a reload (new settings), nor anything of a start (a standby is built after READY).
+TAKES_OVER = frozenset({Cause.CRASH, Cause.SIGNAL, Cause.EXIT_0, Cause.HANG, Cause.CANARY,
+                        Cause.UNHEALTHY, Cause.ENGINE_DEAD})
+REBUILD_BACKOFF = (30.0, 60.0, 120.0, 300.0)  # seconds before the next try after a failed build
+# The first sleep pins the weights in host memory: 18 s for 15.9 GiB on the H200 (issue 21).
+SLEEP_TIMEOUT = 300.0
+
+
+class Phase(enum.Enum):
+    NONE = "none"  # off
+    WAITING = "waiting"  # due once the engine is quiet (or after a failed build's backoff)
+    STARTING = "starting"  # spawned (sleep mode: the serving engine sleeps meanwhile)
+    LOADING = "loading"
+    CHECKING = "checking"  # its known answer
+    SLEEPING = "sleeping"  # the sleep request in flight
+    READY = "ready"  # can take over
+    WAKING = "waking"  # taking over (the failover)
+
+
+# What the build does to the serving engine (sleep mode only), in order.
+SERVING_STEPS = ("reference", "sleep", "standby", "wake", "check")
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What the keeper asks of the supervisor: ``hold`` (READY -> REBUILDING), ``resume``
+    (REBUILDING -> READY) or ``fail`` (the serving engine did not come back: ``verdict``)."""
+
+    what: str
+    reason: str
+    verdict: ExitVerdict | None = None
+
+
+@dataclass
+class Failover:
+    """One takeover, from the fault seen to serving again."""
+
+    cause: str
+    started: float
+    woken: float | None = None
+    ok: bool = False
+    seconds: float | None = None
+    kv_tokens: int | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"cause": self.cause, "ok": self.ok,
+                "seconds": None if self.seconds is None else round(self.seconds, 3),
+                "wake_seconds": None if self.woken is None else round(self.woken - self.started,
+                                                                      3),
+                "kv_tokens": self.kv_tokens}
+
+
+@dataclass
+class Build:
+    """One build of a standby; in sleep mode with the serving engine's sleep around it."""
+
+    started: float
+    step: str = "standby"  # sleep mode: SERVING_STEPS; awake: "standby" only
+    step_since: float = 0.0
+    serving_answer: str | None = None
+    outcome: str = ""  # why the standby did not get READY ("" while it goes on or when it did)
+
+
+@dataclass
+class Keeper:
+    """The standby and its build (see the module's text)."""
+
+    mode: str
+    log: LogLike
+    spawn: Callable[[Launch], ChildLike]
+    make_probe: Callable[[Config], ProbeLike]
+    submit: Callable[[Callable[[], Any]], Any]
+    clock: Callable[[], float]
+    run: Run | None = None
+    phase: Phase = Phase.NONE
+    since: float = 0.0
+    answer: str | None = None  # its known answer, taken before it slept
+    kv_tokens: int | None = None
+    build: Build | None = None
+    quiet_since: float | None = None
+    next_try: float = 0.0
+    failed_builds: int = 0
+    dying: list[Run] = field(default_factory=list)  # standby groups being stopped
+    failovers: int = 0
+    fallbacks: int = 0
+    rebuilds: int = 0
+    last_failover: Failover | None = None
+    current: Failover | None = None
+    promoted_answer: str | None = None  # the known answer of the standby now taking over
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if self.on:
+            self.phase = Phase.WAITING
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def sleeps(self) -> bool:
+        return self.mode == "sleep"
+
+    @property
+    def ready(self) -> bool:
+        return self.run is not None and self.phase is Phase.READY
+
+    def set_mode(self, mode: str, now: float) -> None:
+        if mode != self.mode:
+            self.mode = mode
+            self.phase = Phase.WAITING if mode != "off" else Phase.NONE
+            self.since = now
+
+    # --- the daemon's side ------------------------------------------------------------------
+
+    def takes_over(self, verdict: ExitVerdict, serving: bool) -> bool:
+        """Would the standby take over this failure of a serving engine?"""
+        return serving and self.ready and verdict.retry and verdict.cause in TAKES_OVER
+
+    def promote(self, now: float, cause: str, started: float) -> Run:
+        """The failover: the standby's run becomes the serving one; its wake (sleep mode) or
+        straight its check (awake) is sent.  The supervisor harvests ``failover_*`` jobs."""
+        run = self.run
+        assert run is not None and self.phase is Phase.READY
+        self.run = None
+        self.current = Failover(cause, started, kv_tokens=self.kv_tokens)
+        self.phase, self.since = Phase.WAKING, now
+        self.promoted_answer, self.answer = self.answer, None
+        timeout = run.config.restart.wake_timeout
+        if self.sleeps:
+            run.submit(now, "failover_wake", control_job(run.probe, "/wake_up", timeout))
+        else:
+            self.current.woken = now
+            run.submit(now, "failover_check", check_job(run.probe, timeout))
+        return run
+
+    def woken(self, now: float) -> None:
+        if self.current is not None:
+            self.current.woken = now
+
+    def failover_done(self, now: float, ok: bool) -> None:
+        f = self.current
+        if f is not None:
+            f.ok = ok
+            f.seconds = now - f.started
+            self.last_failover = f
+            self.current = None
+        if ok:
+            self.failovers += 1
+        else:
+            self.fallbacks += 1
+        self.phase, self.since = Phase.WAITING, now
+        self.quiet_since = None
+        self.next_try = now
+
+    def discard(self, now: float, why: str, term_timeout: float) -> list[int]:
+        """Stop the standby (and any build); the pids it had (the GPU must let go of them)."""
+        run, self.run = self.run, None
+        self.build = None
+        self.answer = None
+        if self.on:
+            self.phase, self.since = Phase.WAITING, now
+        pids: list[int] = []
+        if run is not None:
+            self.log.warning("standby_discarded", reason=why, pid=run.child.pid)
+            pids = self._stop(run, now, term_timeout)
+        return pids
+
+    def _stop(self, run: Run, now: float, term_timeout: float) -> list[int]:
+        pids = run.abort(now, term_timeout, hung=False)
+        run.kill_group(now, "the standby is not needed")
+        self.dying.append(run)
+        return pids
+
+    def reap_dying(self, now: float) -> bool:
+        """Step the stops of standby groups; True when none is left."""
+        self.dying = [r for r in self.dying if not r.reap_group(now)]
+        return not self.dying
+
+    def pids(self) -> list[int]:
+        """Every process of a standby group (ours or dying): for a last SIGKILL at exit."""
+        out: list[int] = []
+        for run in ([self.run] if self.run is not None else []) + self.dying:
+            out.append(run.child.pid)
+        return out
+
+    def kill_all(self) -> None:
+        for run in ([self.run] if self.run is not None else []) + self.dying:
+            run.child.signal_group(signal.SIGKILL)
+
+    # --- the build --------------------------------------------------------------------------
+
+    def note_quiet(self, now: float, front: FrontSample | None) -> None:
+        busy = front is not None and (front.in_flight > 0 or front.holding > 0)
+        if busy:
+            self.quiet_since = None
+        elif self.quiet_since is None:
+            self.quiet_since = now
+
+    def due(self, now: float, state: State, cfg: Config) -> bool:
+        """A build may begin: on, none built or building, serving READY, after the backoff,
+        and the engine quiet for restart.standby_quiet."""
+        return (self.on and self.run is None and self.build is None
+                and state is State.READY and now >= self.next_try
+                and self.quiet_since is not None
+                and now - self.quiet_since >= cfg.restart.standby_quiet)
+
+    def begin(self, now: float, serving: Run,
+              standby_launch: Callable[[], tuple[Launch, int]]) -> Ask | None:
+        """Begin a build: sleep mode holds requests, waits for those in flight, asks the
+        serving engine for its known answer and puts it to sleep, then spawns the standby;
+        awake mode spawns the standby at once, beside the serving engine."""
+        self.build = Build(now, step_since=now)
+        self.rebuilds += 1
+        self.log.info("standby_rebuild", mode=self.mode, attempt=self.failed_builds + 1,
+                      serving_pid=serving.child.pid)
+        if not self.sleeps:
+            self.build.step = "standby"
+            self.start_standby(now, *standby_launch())
+            if self.run is None:
+                self.build = None
+            return None
+        # requests in flight finish first: vLLM's sleep would abort them
+        self.build.step = "drain"
+        return Ask("hold", "building the standby: the serving engine sleeps meanwhile")
+
+    def start_standby(self, now: float, chosen: Launch, port: int) -> None:
+        """Spawn the standby on ``port`` with the serving engine's settings (and KV budget)."""
+        launch = launch_mod.on_port(chosen, port)
+        try:
+            child = self.spawn(launch)
+        except Exception as e:  # OSError, ConfigError: the build failed, serving goes on
+            self.build_failed(now, f"cannot start the standby: {safe_error(e)}")
+            return
+        self.run = Run(child, self.make_probe(launch.config), launch, now,
+                       launch.config.watch, self.log, self.submit, self.clock)
+        self.phase, self.since = Phase.STARTING, now
+        self.log.info("standby_spawned", pid=child.pid, port=port, argv=" ".join(launch.argv))
+
+    def build_failed(self, now: float, why: str) -> None:
+        self.failed_builds += 1
+        backoff = REBUILD_BACKOFF[min(self.failed_builds, len(REBUILD_BACKOFF)) - 1]
+        self.next_try = now + backoff
+        self.detail = why
+        self.log.error("standby_failed", reason=why, retry_in=backoff,
+                       failed_builds=self.failed_builds)
+        if self.build is not None:
+            self.build.outcome = why
+        self.phase, self.since = Phase.WAITING, now
+
+    def standby_ready(self, now: float) -> None:
+        assert self.run is not None
+        self.phase, self.since = Phase.READY, now
+        self.failed_builds = 0
+        self.detail = ""
+        tokens, _ = self.run.child.kv_cache()
+        self.kv_tokens = tokens
+        self.log.info("standby_ready", pid=self.run.child.pid, port=self.run.config.vllm.port,
+                      asleep=self.sleeps, kv_tokens=tokens,
+                      seconds=round(now - self.run.spawned_at, 1))
+
+    def step(self, now: float, cfg: Config, ports: Any, serving: Run | None,
+             front: FrontSample | None) -> list[Ask]:
+        """One step of the standby and of the build around it; what the supervisor must do."""
+        asks: list[Ask] = []
+        run = self.run
+        if run is not None:
+            for task, result in run.finished(now):
+                asks += self._on_job(now, task.kind, result, cfg, serving)
+            if self.run is run:
+                asks += self._watch(now, run, cfg, ports, serving)
+        b = self.build
+        if b is not None and serving is not None and self.sleeps:
+            asks += self._serving_step(now, b, cfg, serving, front)
+        self.reap_dying(now)
+        return asks
+
+    def _watch(self, now: float, run: Run, cfg: Config, ports: Any, serving: Run | None
+               ) -> list[Ask]:
+        if (rc := run.exited()) is not None:
+            return self.lost(now, f"the standby exited (code {rc}): "
+                                  f"{run.exit_verdict().detail}", cfg, serving)
+        if self.phase in (Phase.STARTING, Phase.LOADING):
+            state = State.STARTING if self.phase is Phase.STARTING else State.LOADING
+            for v in run.start_step(now, state, cfg, ports):
+                if isinstance(v, Move):
+                    self.phase, self.since = Phase.LOADING, now
+                elif isinstance(v, Fail):
+                    return self.lost(now, v.verdict.detail, cfg, serving)
+        elif self.phase in (Phase.CHECKING, Phase.SLEEPING) \
+                and now - self.since > SLEEP_TIMEOUT + cfg.restart.wake_timeout:
+            return self.lost(now, f"no answer to its {self.phase.value} within "
+                                  f"{SLEEP_TIMEOUT + cfg.restart.wake_timeout:g}s", cfg, serving)
+        return []
+
+    def _on_job(self, now: float, kind: str, result: Any, cfg: Config, serving: Run | None
+                ) -> list[Ask]:
+        run = self.run
+        assert run is not None
+        timeout = cfg.restart.wake_timeout
+        if kind == "health" and self.phase is Phase.LOADING:
+            health, owner = result
+            if health.ok and run.child.poll() is None \
+                    and (owner is None or owner.ours is not False):
+                self.phase, self.since = Phase.CHECKING, now
+                run.submit(now, "check", check_job(run.probe, timeout))
+        elif kind == "check" and self.phase is Phase.CHECKING:
+            if (why := answered(result, None)):
+                return self.lost(now, f"its check: {why}", cfg, serving)
+            self.answer = result.text
+            if self.sleeps:
+                self.phase, self.since = Phase.SLEEPING, now
+                run.submit(now, "sleep", control_job(run.probe, f"/sleep?level={SLEEP_LEVEL}",
+                                                     SLEEP_TIMEOUT))
+            else:
+                self.standby_ready(now)
+                return self._built(now, serving)
+        elif kind == "sleep" and self.phase is Phase.SLEEPING:
+            if not result.ok:
+                return self.lost(now, f"it did not sleep: {result.error}", cfg, serving)
+            self.standby_ready(now)
+            return self._built(now, serving)
+        return []
+
+    def lost(self, now: float, why: str, cfg: Config, serving: Run | None) -> list[Ask]:
+        """The standby failed (exited, timed out, answered wrong): stopped; the build goes on
+        to wake the serving engine (sleep mode), and is tried again after a backoff."""
+        run, self.run = self.run, None
+        self.answer = None
+        if run is not None:
+            self._stop(run, now, cfg.stop.term_timeout)
+        self.build_failed(now, why)
+        return self._built(now, serving)
+
+    def _built(self, now: float, serving: Run | None) -> list[Ask]:
+        """The standby is ready or failed: wake the serving engine (sleep mode), else done."""
+        b = self.build
+        if b is None:
+            return []
+        if not self.sleeps or serving is None:
+            self.build = None
+            return []
+        if b.step in ("reference", "drain"):  # it never slept: serving again at once
+            self.build = None
+            return [Ask("resume", b.outcome or "standby ready")]
+        b.step, b.step_since = "wake", now
+        serving.submit(now, "standby_wake", control_job(serving.probe, "/wake_up",
+                                                        serving.config.restart.wake_timeout))
+        return []
+
+    def _serving_step(self, now: float, b: Build, cfg: Config, serving: Run,
+                      front: FrontSample | None) -> list[Ask]:
+        """Sleep mode: the serving engine's part of the build, bounded at each step."""
+        if b.step == "drain":
+            left = 0 if front is None else front.in_flight - front.holding
+            if left <= 0:
+                b.step, b.step_since = "reference", now
+                serving.submit(now, "standby_reference",
+                               check_job(serving.probe, cfg.restart.wake_timeout))
+            elif now - b.step_since > cfg.stop.drain_timeout:
+                self.build_failed(now, f"{left} requests still in flight after "
+                                       f"stop.drain_timeout ({cfg.stop.drain_timeout:g}s)")
+                return self._built(now, serving)
+            return []
+        limit = SLEEP_TIMEOUT + cfg.restart.wake_timeout
+        if b.step in ("reference", "sleep", "wake", "check") and now - b.step_since > limit:
+            if b.step in ("wake", "check"):
+                self.build = None
+                return [Ask("fail", "", ExitVerdict(Cause.UNHEALTHY, f"no {b.step} answer "
+                                                    f"within {limit:g}s after the standby's "
+                                                    "build", True))]
+            self.build_failed(now, f"the serving engine's {b.step}: no answer within "
+                                   f"{limit:g}s")
+            return self._wake_after(now, b, serving)
+        return []
+
+    def _wake_after(self, now: float, b: Build, serving: Run) -> list[Ask]:
+        b.step, b.step_since = "wake", now
+        serving.submit(now, "standby_wake", control_job(serving.probe, "/wake_up",
+                                                        serving.config.restart.wake_timeout))
+        return []
+
+    def on_serving_job(self, now: float, kind: str, result: Any, serving: Run,
+                       standby_launch: Callable[[], tuple[Launch, int]]) -> list[Ask]:
+        """The serving engine's answers during a build (sleep mode)."""
+        b = self.build
+        if b is None:
+            return []
+        if kind == "standby_reference" and b.step == "reference":
+            if (why := answered(result, None)):
+                self.build_failed(now, f"the serving engine's check before it sleeps: {why}")
+                return self._built(now, serving)
+            b.serving_answer = result.text
+            b.step, b.step_since = "sleep", now
+            serving.submit(now, "standby_sleep", control_job(
+                serving.probe, f"/sleep?level={SLEEP_LEVEL}", SLEEP_TIMEOUT))
+        elif kind == "standby_sleep" and b.step == "sleep":
+            if not result.ok:
+                self.build_failed(now, f"the serving engine did not sleep: {result.error}")
+                return self._wake_after(now, b, serving)
+            b.step, b.step_since = "standby", now
+            chosen, port = standby_launch()
+            self.start_standby(now, chosen, port)
+            if self.run is None:  # could not even start
+                return self._wake_after(now, b, serving)
+        elif kind == "standby_wake" and b.step == "wake":
+            if not result.ok:
+                self.build = None
+                return [Ask("fail", "", ExitVerdict(Cause.UNHEALTHY, "the serving engine did "
+                                                    f"not wake: {result.error}", True))]
+            b.step, b.step_since = "check", now
+            serving.submit(now, "standby_check", check_job(
+                serving.probe, serving.config.restart.wake_timeout))
+        elif kind == "standby_check" and b.step == "check":
+            self.build = None
+            if (why := answered(result, b.serving_answer)):
+                return [Ask("fail", "", ExitVerdict(Cause.CANARY, "after its sleep for the "
+                                                    f"standby's build: {why}", True))]
+            return [Ask("resume", b.outcome or "standby ready")]
+        return []
+
+    # --- status -----------------------------------------------------------------------------
+
+    def status(self, now: float) -> dict[str, Any]:
+        run = self.run
+        return {"mode": self.mode, "state": self.phase.value, "ready": self.ready,
+                "pid": run.child.pid if run is not None else None,
+                "port": run.config.vllm.port if run is not None else None,
+                "seconds": round(now - self.since, 1), "kv_tokens": self.kv_tokens,
+                "failovers": self.failovers, "fallbacks": self.fallbacks,
+                "rebuilds": self.rebuilds,
+                "last_failover": None if self.last_failover is None
+                else self.last_failover.as_json(),
+                "detail": self.detail}
+
+
+def control_job(probe: ProbeLike, path: str, timeout: float) -> Callable[[], HealthResult]:
+    return lambda: probe.control(path, timeout)
+
+
+def check_job(probe: ProbeLike, timeout: float) -> Callable[[], CompletionResult]:
+    return lambda: probe.complete(list(CHECK_PROMPT), CHECK_TOKENS, timeout)
+
+
+def answered(res: CompletionResult, known: str | None) -> str:
+    """Why a check answer is not the known one ("" when it is)."""
+    if not res.ok:
+        return f"no answer: {res.error}"
+    if known is not None and res.text != known:
+        return f"a different answer ({res.text[:40]!r}, known {known[:40]!r})"
+    return ""

@@ -1,0 +1,213 @@
+"""The standby engine (issue 21) in the state machine: fake clock, fake children and probes
+(one probe per engine port, as the real ones are), no processes.  The same failover runs on
+the CPU vLLM in tests/integration/test_standby.py."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+from tests.support.fakes import FakeChild, FakeFront, FakeProbe
+from tests.unit.test_supervisor import Harness
+
+from qwen4090.config import Config
+from qwen4090.contracts import Launch
+from qwen4090.events import EngineMoved, Event, StandbyWoken, Transition
+from qwen4090.standby import Phase
+from qwen4090.states import State
+
+S = State
+ENGINE = 18000  # front.engine_port: the serving engine's first port; the standby's is + 1
+
+
+class StandbyHarness(Harness):
+    def __init__(self, mode: str, raw: dict[str, Any] | None = None) -> None:
+        self.probes: dict[int, FakeProbe] = {}
+        self.ports: dict[int, int] = {}  # child pid -> the port it was launched on
+        self.events: list[Event] = []
+        self.front = FakeFront()
+        self.front.draining = False
+        base = {"restart": {"standby": mode, "standby_quiet": 5.0, "wake_timeout": 10.0},
+                "front": {"enabled": True, "engine_port": ENGINE}}
+        for k, v in (raw or {}).items():
+            base.setdefault(k, {}).update(v)
+        super().__init__(base, front=self.front)
+        self.sup.p.make_probe = self.make_probe
+        self.sup.keeper.make_probe = self.make_probe
+        self.sup.p.listeners.append(self.events.append)
+
+    def make_probe(self, cfg: Config) -> FakeProbe:
+        return self.probes.setdefault(cfg.vllm.port, FakeProbe())
+
+    def spawn(self, launch: Launch) -> FakeChild:
+        c = super().spawn(launch)
+        self.ports[c.pid] = launch.config.vllm.port
+        c.lines = 1  # its first line: a standby is not stepped by run_until
+        return c
+
+    def probe_of(self, port: int) -> FakeProbe:
+        return self.probes[port]
+
+    def until(self, cond: Any, dt: float = 0.25, limit: int = 2000) -> None:
+        for _ in range(limit):  # one step at least: what the test just did is seen
+            self.step(dt)
+            if cond():
+                return
+        raise AssertionError(f"never true; state {self.sup.state}, standby "
+                             f"{self.sup.keeper.phase}")
+
+    def standby_ready(self) -> None:
+        self.run_until(S.READY)
+        self.until(lambda: self.sup.keeper.ready and self.sup.state is S.READY)
+
+    def moved(self) -> list[int]:
+        return [e.port for e in self.events if isinstance(e, EngineMoved)]
+
+    def spawned_ports(self) -> list[int]:
+        return [self.ports[c.pid] for c in self.children]
+
+
+def test_awake_standby_is_built_beside_and_takes_over_a_crash_without_a_start() -> None:
+    h = StandbyHarness("awake")
+    h.standby_ready()
+    assert h.spawned_ports() == [ENGINE, ENGINE + 1]  # the standby on the other port
+    serving, standby = h.children
+    assert not h.sup.keeper.sleeps and h.probe_of(ENGINE + 1).controls == []
+    serving.exit(1, ["RuntimeError: boom"])
+    h.until(lambda: h.sup.state is S.READY)
+    # no third vLLM: the standby serves, the front points at its port, READY again
+    assert len(h.children) == 2 and h.sup.child is standby
+    assert h.moved() == [ENGINE + 1]
+    assert h.sup.keeper.failovers == 1 and h.sup.keeper.last_failover is not None
+    assert h.sup.keeper.last_failover.ok and h.sup.keeper.last_failover.cause == "crash"
+    assert [t.dst for t in h.events if isinstance(t, Transition)][-2:] == [S.RESTARTING,
+                                                                           S.READY]
+    assert h.sup.crashes.restarts == 1  # the fault still counts (crash-loop budget)
+    assert "failover_done" in h.log.names()
+
+
+def test_after_a_failover_a_new_standby_is_built_on_the_freed_port() -> None:
+    h = StandbyHarness("awake")
+    h.standby_ready()
+    h.children[0].exit(1)
+    h.until(lambda: h.sup.state is S.READY and h.sup.keeper.ready)
+    assert h.spawned_ports() == [ENGINE, ENGINE + 1, ENGINE]
+    snap = h.sup.snapshot()["standby"]
+    assert snap["ready"] and snap["port"] == ENGINE and snap["failovers"] == 1
+    assert snap["rebuilds"] == 2
+
+
+def test_no_build_until_the_engine_is_quiet_for_standby_quiet() -> None:
+    h = StandbyHarness("awake")
+    h.run_until(S.WARMING)
+    h.front.in_flight = 1  # clients came while it started
+    h.run_until(S.READY)
+    h.probe_of(ENGINE).tokens_per_metrics = 1.0  # busy, not hung
+    h.step(1.0, 30)
+    assert len(h.children) == 1 and h.sup.keeper.phase is Phase.WAITING
+    h.front.in_flight = 0
+    h.step(1.0, 4)
+    assert len(h.children) == 1  # quiet for 4 s of 5
+    h.step(1.0, 3)
+    assert len(h.children) == 2
+
+
+def test_sleep_mode_build_holds_sleeps_the_serving_engine_and_wakes_it() -> None:
+    h = StandbyHarness("sleep")
+    h.run_until(S.READY)
+    h.until(lambda: h.sup.state is S.REBUILDING)
+    h.until(lambda: h.sup.state is S.READY)
+    assert h.sup.keeper.ready
+    # the serving engine slept while the standby started, then woke; the standby sleeps
+    assert h.probe_of(ENGINE).controls == ["/sleep?level=1", "/wake_up"]
+    assert h.probe_of(ENGINE + 1).controls == ["/sleep?level=1"]
+    seen = [(t.src, t.dst) for t in h.events if isinstance(t, Transition)]
+    assert (S.READY, S.REBUILDING) in seen and (S.REBUILDING, S.READY) in seen
+    assert h.sup.launch_cfg.vllm.extra_args[-1] == "--enable-sleep-mode"
+
+
+def test_sleep_mode_hang_wakes_the_standby_and_checks_its_known_answer() -> None:
+    h = StandbyHarness("sleep")
+    h.standby_ready()
+    serving = h.probe_of(ENGINE)
+    serving.running, serving.tokens_per_metrics = 2.0, 0.0  # requests in flight, no tokens
+    h.until(lambda: h.sup.state is S.RESTARTING)
+    assert h.failure.cause.value == "hang"
+    h.until(lambda: h.sup.state is S.READY)
+    assert h.probe_of(ENGINE + 1).controls == ["/sleep?level=1", "/wake_up"]
+    assert len(h.children) == 2 and h.sup.keeper.failovers == 1
+    assert any(isinstance(e, StandbyWoken) for e in h.events)
+    assert h.children[0].signals[0] == signal.SIGTERM  # then SIGKILL at once: no grace
+    assert signal.SIGKILL in h.children[0].signals
+
+
+def test_a_wrong_answer_after_the_wake_falls_back_to_the_normal_restart() -> None:
+    h = StandbyHarness("sleep")
+    h.standby_ready()
+    h.probe_of(ENGINE + 1).answer = "garbage after a broken wake"
+    h.children[0].exit(-9)
+    h.until(lambda: len(h.children) == 3)  # a fresh vLLM: the normal restart
+    assert "failover_failed" in h.log.names()
+    assert h.sup.keeper.failovers == 0 and h.sup.keeper.fallbacks == 1
+    assert not h.children[1].alive  # the standby that answered wrong is stopped
+    h.run_until(S.READY)
+    assert h.sup.child is h.children[2]
+
+
+def test_a_failed_wake_falls_back_to_the_normal_restart() -> None:
+    h = StandbyHarness("sleep")
+    h.standby_ready()
+    h.probe_of(ENGINE + 1).control_ok = False
+    h.children[0].exit(1)
+    h.until(lambda: len(h.children) == 3)
+    assert h.sup.keeper.fallbacks == 1
+    assert h.log.named("failover_failed")[0]["reason"].startswith("the wake failed")
+
+
+def test_an_oom_goes_to_the_ladder_not_to_the_standby() -> None:
+    h = StandbyHarness("awake")
+    h.standby_ready()
+    h.children[0].exit(1, ["torch.OutOfMemoryError: CUDA out of memory."])
+    h.until(lambda: len(h.children) == 3)
+    assert h.log.named("restart_scheduled")[-1]["cause"] == "oom"
+    assert h.sup.keeper.failovers == 0
+    assert not h.children[1].alive  # the standby had the settings that failed
+    assert "standby_discarded" in h.log.names()
+
+
+def test_a_standby_is_never_counted_as_serving() -> None:
+    h = StandbyHarness("awake", {"restart": {"backoff_initial": 50.0, "backoff_max": 60.0}})
+    h.standby_ready()
+    h.children[0].exit(1, ["torch.OutOfMemoryError: CUDA out of memory."])
+    h.step(0.25, 8)
+    assert h.sup.state is S.RESTARTING  # not READY: the standby alone serves nobody
+    assert h.sup.snapshot()["state"] == "restarting"
+
+
+def test_standby_off_keeps_one_engine() -> None:
+    h = StandbyHarness("off")
+    h.run_until(S.READY)
+    h.step(1.0, 60)
+    assert len(h.children) == 1 and h.sup.snapshot()["standby"]["state"] == "none"
+    h.children[0].exit(1)
+    h.until(lambda: len(h.children) == 2)  # the normal restart
+
+
+def test_a_standby_that_dies_is_rebuilt_after_a_backoff() -> None:
+    h = StandbyHarness("awake")
+    h.standby_ready()
+    h.children[1].exit(1)
+    h.step(0.25, 4)
+    assert h.sup.keeper.phase is Phase.WAITING and "standby_failed" in h.log.names()
+    assert h.sup.state is S.READY  # serving goes on
+    h.step(1.0, 20)
+    assert len(h.children) == 2  # the backoff (30 s) is not over
+    h.until(lambda: len(h.children) == 3)
+
+
+def test_stop_stops_the_standby_too() -> None:
+    h = StandbyHarness("awake")
+    h.standby_ready()
+    h.sup.deliver(signal.SIGTERM)
+    h.until(lambda: h.sup.done)
+    assert not h.children[0].alive and not h.children[1].alive
