@@ -7,8 +7,8 @@ from __future__ import annotations
 import signal
 from typing import Any
 
+from test_supervisor import Harness
 from tests.support.fakes import FakeChild, FakeFront, FakeProbe
-from tests.unit.test_supervisor import Harness
 
 from qwen4090.config import Config
 from qwen4090.contracts import Launch
