@@ -27,7 +27,8 @@ class StandbyHarness(Harness):
         self.events: list[Event] = []
         self.front = FakeFront()
         self.front.draining = False
-        base = {"restart": {"standby": mode, "standby_quiet": 5.0, "wake_timeout": 10.0},
+        base: dict[str, dict[str, Any]] = {
+            "restart": {"standby": mode, "standby_quiet": 5.0, "wake_timeout": 10.0},
                 "front": {"enabled": True, "engine_port": ENGINE}}
         for k, v in (raw or {}).items():
             base.setdefault(k, {}).update(v)
