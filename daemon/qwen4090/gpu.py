@@ -10,11 +10,14 @@ every check steps aside, and the ladder still runs from vLLM's own error texts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import psutil
 
 from qwen4090 import derived, kvbudget, ladder, learned, plan, preflight, xid
 from qwen4090 import launch as launch_mod
@@ -34,10 +37,24 @@ def cuda_visible(cfg: Config, env: Mapping[str, str]) -> str | None:
     return cfg.vllm.env.get(CUDA_VISIBLE, env.get(CUDA_VISIBLE))
 
 
+def own_pids() -> set[int]:
+    """This process and its descendants: the daemon's own vLLM engines (a sleeping standby
+    among them) are no "other process" on the GPU."""
+    pids = {os.getpid()}
+    with contextlib.suppress(psutil.Error):
+        pids |= {c.pid for c in psutil.Process().children(recursive=True)}
+    return pids
+
+
 class GpuParts:
-    def __init__(self, log: Any, env: dict[str, str] | None = None) -> None:
+    def __init__(self, log: Any, env: dict[str, str] | None = None,
+                 host_memory: Callable[[], plan.HostMemory | str] | None = None,
+                 ours: Callable[[], set[int]] = own_pids) -> None:
         self.log = log
         self.env = dict(os.environ) if env is None else env
+        # the host's memory for a sleeping standby's account (plan.judge_host); tests fake it
+        self.host_memory = host_memory or (lambda: plan.host_memory())
+        self.ours = ours
         self.watch: nvml.GpuWatch | None = None
         self._said_no_gpu = False
         self._by_uuid: dict[str, int] = {}  # CUDA_VISIBLE_DEVICES' first entry -> NVML index
@@ -171,6 +188,8 @@ class GpuParts:
         if p is None:
             res.warnings.append(f"no KV-cache plan: {chosen.no_plan}")
             return
+        if p.standby is not None:
+            plan.judge_host(p, self.host_memory())
         res.facts["plan"] = p.as_json()
         self.log.info("kv_plan", gpu=p.gpu.name, usable_gib=round(p.gpu.total_bytes / GIB, 2),
                       budget_gib=round(p.budget_bytes / GIB, 2),
@@ -181,6 +200,14 @@ class GpuParts:
                       max_model_len=p.max_model_len, max_num_seqs=p.max_num_seqs,
                       max_num_batched_tokens=p.max_num_batched_tokens,
                       chosen=",".join(p.chosen) or "none")
+        if p.standby is not None:
+            s = p.standby
+            self.log.info("standby_plan", mode=s.mode, gpu_gib=round(s.gpu_bytes / GIB, 2),
+                          peak_gib=round(s.peak_bytes / GIB, 2), fits_gpu=s.fits_gpu,
+                          host_pinned_gib=round(s.host_pinned_bytes / GIB, 2),
+                          host_gib=round(s.host_bytes / GIB, 2),
+                          host_room_gib=None if s.host is None
+                          else round(s.host.room_bytes / GIB, 2))
         if not p.fits:
             if g.plan_check == "refuse":
                 res.fatal = plan.refusal(chosen.config, p)
@@ -201,8 +228,8 @@ class GpuParts:
         procs = nvml.processes(device)
         if isinstance(procs, str):
             return
-        me = os.getpid()
-        others = [q for q in procs if q.pid != me]
+        ours = self.ours()
+        others = [q for q in procs if q.pid not in ours]
         if not others:
             return
         names = "; ".join(q.describe() for q in others)

@@ -50,6 +50,9 @@ LOOP_STALL_SECONDS = 15.0
 # vLLM's gauges and counters worth re-exporting (from the supervisor's own /metrics poll).
 VLLM_GAUGES = vllmfacts.SHOWN_GAUGES
 VLLM_COUNTERS = vllmfacts.SHOWN_COUNTERS
+# The standby engine's states in the snapshot's "standby" (issue 21), for qwen4090_standby_state.
+STANDBY_STATES = ("none", "waiting", "starting", "loading", "warming", "checking", "sleeping",
+                  "ready", "waking", "failed")
 # Config values whose names say they are secrets are never shown.
 _SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSW|CREDENTIAL)", re.I)
 
@@ -251,6 +254,7 @@ def metric_families(doc: Mapping[str, Any]) -> list[Metric]:
                             float(row["ttft_ms"]) / 1000.0)
         out.append(ttft)
     out.extend(_gpu_families(doc.get("gpu")))
+    out.extend(_standby_families(standby_of(doc)))
     vm = doc.get("vllm_metrics")
     if vm:
         for name in VLLM_GAUGES:
@@ -300,6 +304,94 @@ def _gpu_families(gpu: Any) -> list[Metric]:
     return list(families.values())
 
 
+# --- the standby engine (restart.standby, issue 21) ---------------------------------------------
+
+
+def standby_of(doc: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The snapshot's "standby" when there is one to show: None with restart.standby = "off"
+    and in the documents of daemons older than it (no key)."""
+    sb = doc.get("standby")
+    if not isinstance(sb, dict) or sb.get("mode", "off") == "off":
+        return None
+    return sb
+
+
+def standby_summary(sb: Mapping[str, Any]) -> str:
+    """One line: is a standby ready to take over, else what it is doing and why; then what the
+    failovers did ("ready (asleep, pid 1234, port 18001, 28,672 KV tokens); 2 failovers, last:
+    hang, back in 1.4 s")."""
+    state = str(sb.get("state") or "none")
+    detail = str(sb.get("detail") or "")
+    if sb.get("ready"):
+        facts = ["asleep" if sb.get("mode") == "sleep" else "awake"]
+        if sb.get("pid"):
+            facts.append(f"pid {sb['pid']}")
+        if sb.get("port"):
+            facts.append(f"port {sb['port']}")
+        if sb.get("kv_tokens"):
+            facts.append(f"{int(sb['kv_tokens']):,} KV tokens")
+        head = f"ready ({', '.join(facts)})"
+    else:
+        doing = {"none": "none", "waiting": "waiting for a quiet moment to start",
+                 "starting": "starting", "loading": "loading", "warming": "warming up",
+                 "checking": "checking its known answer", "sleeping": "going to sleep",
+                 "waking": "waking to take over", "failed": "FAILED"}.get(state, state)
+        head = f"not ready: {doing}, {_secs(sb.get('seconds'))} so far"
+        if sb.get("pid"):
+            head += f", pid {sb['pid']}"
+        if detail:
+            head += f" ({detail})"
+    counts = [_count(sb.get("failovers"), "failover")]
+    if sb.get("fallbacks"):
+        counts.append(_count(sb["fallbacks"], "fallback") + " to a restart")
+    if sb.get("rebuilds"):
+        counts.append(_count(sb["rebuilds"], "rebuild"))
+    line = f"{head}; {', '.join(counts)}"
+    last = sb.get("last_failover")
+    if isinstance(last, dict):
+        if last.get("ok"):
+            line += (f", last: {last.get('cause')}, back in {_secs(last.get('seconds'))} "
+                     f"(woke in {_secs(last.get('wake_seconds'), 2)})")
+        else:
+            line += (f", last: {last.get('cause')}, fell back to a restart after "
+                     f"{_secs(last.get('seconds'))}")
+    return line
+
+
+def _count(n: Any, word: str) -> str:
+    n = int(n or 0)
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _standby_families(sb: Mapping[str, Any] | None) -> list[Metric]:
+    if sb is None:
+        return []
+    out: list[Metric] = [GaugeMetricFamily(
+        "qwen4090_standby_ready", "1 when a standby engine is ready to take over",
+        value=1.0 if sb.get("ready") else 0.0)]
+    state = GaugeMetricFamily("qwen4090_standby_state", "1 for the standby engine's current "
+                                                        "state", labels=["state"])
+    current = str(sb.get("state") or "none")
+    for s in (*STANDBY_STATES, *((current,) if current not in STANDBY_STATES else ())):
+        state.add_metric([s], 1.0 if s == current else 0.0)
+    out.append(state)
+    failovers = CounterMetricFamily("qwen4090_failovers", "faults taken over by the standby "
+                                    "(ok), and those that fell back to a restart (fallback)",
+                                    labels=["result"])
+    failovers.add_metric(["ok"], float(sb.get("failovers") or 0))
+    failovers.add_metric(["fallback"], float(sb.get("fallbacks") or 0))
+    out.append(failovers)
+    out.append(CounterMetricFamily("qwen4090_standby_rebuilds", "builds of a standby engine "
+                                   "begun (the first included)",
+                                   value=float(sb.get("rebuilds") or 0)))
+    last = sb.get("last_failover")
+    if isinstance(last, dict) and last.get("seconds") is not None:
+        out.append(GaugeMetricFamily("qwen4090_last_failover_seconds",
+                                     "seconds from the fault to serving again, last failover",
+                                     value=float(last["seconds"])))
+    return out
+
+
 # --- the status page ------------------------------------------------------------------------
 
 _COLORS = {"ready": "#1a7f37", "degraded": "#b35900", "failed": "#cf222e", "restarting": "#cf222e"}
@@ -319,6 +411,7 @@ def render_html(doc: Mapping[str, Any]) -> str:
                        for r in rows)
         return f"<table><tr>{th}</tr>{body}</table>"
 
+    sb = standby_of(doc)
     facts: list[list[Any]] = [["state", state], ["reason", doc.get("state_reason")],
              ["since", f"{doc.get('state_since')} ({doc.get('state_seconds')} s)"],
              ["model", doc.get("model")], ["endpoint", doc.get("endpoint")],
@@ -328,6 +421,7 @@ def render_html(doc: Mapping[str, Any]) -> str:
              ["restarts", f"{doc.get('restarts')} ({doc.get('failures_in_window')} failures in "
                           f"the crash-loop window)"],
              ["hangs detected", doc.get("hangs")],
+             ["standby", "off" if sb is None else standby_summary(sb)],
              ["time to ready (last start)", _secs(doc.get("time_to_ready_seconds"))],
              ["systemd status", doc.get("status")],
              ["supervisor", f"qwen4090 {doc.get('supervisor', {}).get('version')} pid "
@@ -346,6 +440,14 @@ def render_html(doc: Mapping[str, Any]) -> str:
                                      "requests", "held", "replayed", "hold_timeouts",
                                      "stream_errors", "failed", "refused", "queue_seconds",
                                      "hold_timeout") if k in front]
+    srows: list[list[Any]] = [] if sb is None else [
+        ["now", standby_summary(sb)], ["mode", sb.get("mode")], ["state", sb.get("state")],
+        ["ready", "yes" if sb.get("ready") else "no"], ["pid", sb.get("pid")],
+        ["port", sb.get("port")], ["in this state", _secs(sb.get("seconds"))],
+        ["KV tokens", sb.get("kv_tokens")], ["failovers", sb.get("failovers")],
+        ["fell back to a restart", sb.get("fallbacks")], ["rebuilds", sb.get("rebuilds")],
+        ["last failover", _last_failover(sb.get("last_failover"))],
+        ["detail", sb.get("detail")]]
     config = json.dumps(doc.get("config"), indent=1, sort_keys=True)
     warm_note = "" if not warm else (f"<p>{'ok' if warm.get('ok') else 'FAILED'} in "
                                      f"{warm.get('seconds')} s {e(warm.get('error') or '')}</p>")
@@ -372,6 +474,8 @@ pre{{background:#f6f8fa;padding:.6em;overflow:auto;font-size:12px}}
        "no GPU sample")}
 <h2>Client port (front)</h2>
 {table(["", ""], frows, "no front: clients talk to vLLM directly (front.enabled = false)")}
+<h2>Standby</h2>
+{table(["", ""], srows, "no standby engine (restart.standby = off)")}
 <h2>vLLM (last poll)</h2>
 {table(["metric", "value"], [[k, v] for k, v in sorted(vm.items())], "no metrics yet")}
 <h2>Restart history</h2>
@@ -392,8 +496,17 @@ def _cell(c: Any) -> str:
     return str(c)
 
 
-def _secs(x: Any) -> str:
-    return "-" if x is None else f"{float(x):.1f} s"
+def _secs(x: Any, digits: int = 1) -> str:
+    return "-" if x is None else f"{float(x):.{digits}f} s"
+
+
+def _last_failover(last: Any) -> str | None:
+    if not isinstance(last, dict):
+        return None
+    kv = last.get("kv_tokens")
+    return (f"{last.get('cause')}: {'ok' if last.get('ok') else 'fell back to a restart'} in "
+            f"{_secs(last.get('seconds'))} (woke in {_secs(last.get('wake_seconds'), 2)})"
+            + (f", {int(kv):,} KV tokens" if kv else ""))
 
 
 # --- the server -----------------------------------------------------------------------------

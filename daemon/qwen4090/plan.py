@@ -33,6 +33,14 @@ Numbers and where they come from (vLLM 0.26 on an H200, docs/gpu-validation.md):
 Explicit settings that cannot fit are refused before launch (exit 78) with the numbers:
 weights + activations above the budget, a max_model_len longer than the KV cache holds (by more
 than PLAN_TOLERANCE), or a budget that leaves no room for what vLLM uses outside it.
+
+The standby (``restart.standby``, issue 21) is a second engine of the same settings beside the
+serving one.  vLLM starts only when the GPU's free memory is at least its budget, and the
+serving engine's peak (budget + outside) must fit beside what the standby holds:
+- "sleep": a sleeping engine keeps SLEEP_GPU_KEEP_BYTES on each GPU and pins its weights in host
+  memory; both engines' processes take host memory too (ENGINE_HOST_BYTES each).  The GPU side
+  is judged here (pure); the host side by :func:`judge_host`, on :func:`host_memory`'s reading.
+- "awake": a second full engine: twice the peak on each GPU.
 """
 
 from __future__ import annotations
@@ -58,6 +66,16 @@ AUTO_SEQ_TOKENS = 2048  # "a typical request" for choosing max_num_seqs
 AUTO_BATCHED_TOKENS = 8192
 MAX_AUTO_SEQS = 256
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# What a sleeping engine (vLLM's sleep mode, level 1) keeps on each GPU: 0.84 GiB measured on the
+# H200 (Qwen3-14B fp8, vLLM 0.26, issue 21); we plan 1.0 GiB.
+SLEEP_GPU_KEEP_GIB = 1.0
+SLEEP_GPU_KEEP_BYTES = int(SLEEP_GPU_KEEP_GIB * GIB)
+# A vLLM engine's host memory besides pinned weights (its processes' RSS): the sleeping engine of
+# that measurement held 26.6 GB in all, 15.9 GiB of it the pinned weights: ~8.8 GiB the rest.
+ENGINE_HOST_BYTES = int(8.8 * GIB)
+# Not measured yet: an engine that has slept once may keep its pinned buffers while awake
+# (PyTorch caches pinned host memory: the first sleep took 18 s to pin 15.9 GiB, the later ones
+# 0.37 s), and the serving engine sleeps for each rebuild: then both engines hold the weights.
 
 
 class PlanError(Exception):
@@ -159,6 +177,55 @@ class GpuMemory:
     free_bytes: int | None = None  # now, for the check against other processes
 
 
+@dataclass(frozen=True)
+class HostMemory:
+    """The host's memory now (psutil, :func:`host_memory`)."""
+
+    total_bytes: int  # MemTotal
+    available_bytes: int  # MemAvailable
+    ours_bytes: int = 0  # held now by this process's own engines (their RSS): theirs again
+
+    @property
+    def room_bytes(self) -> int:
+        """What qwen4090's engines may have: what is available, and what they hold already."""
+        return self.available_bytes + self.ours_bytes
+
+
+@dataclass
+class StandbyAccount:
+    """What the standby (``restart.standby``) costs beside the serving engine, per GPU and on
+    the host."""
+
+    mode: str  # "sleep" or "awake"
+    gpu_bytes: int  # what the standby holds on each GPU while the other engine serves
+    gpu_note: str
+    peak_bytes: int  # the serving engine's peak + the standby, on each GPU
+    max_utilization: float | None = None  # the highest gpu_memory_utilization that fits, if any
+    kv_tokens_at_max: int | None = None  # the serving engine's KV tokens there
+    host_pinned_bytes: int = 0  # sleep: its weights, pinned in host memory while asleep
+    host_bytes: int = 0  # both engines' host memory: the standby's pinned weights + processes
+    host_peak_bytes: int = 0  # ... and the serving engine's pinned weights too, after a rebuild
+    host: HostMemory | None = None  # the host, once judge_host has seen it
+    host_note: str = ""  # why the host was not judged
+
+    @property
+    def fits_gpu(self) -> bool:
+        return self.max_utilization is None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"mode": self.mode, "gpu_bytes": self.gpu_bytes, "gpu_note": self.gpu_note,
+                "peak_bytes": self.peak_bytes,
+                "max_gpu_memory_utilization": self.max_utilization,
+                "kv_tokens_at_max": self.kv_tokens_at_max,
+                "host_pinned_bytes": self.host_pinned_bytes, "host_bytes": self.host_bytes,
+                "host_peak_bytes": self.host_peak_bytes,
+                "host_total_bytes": None if self.host is None else self.host.total_bytes,
+                "host_available_bytes": None if self.host is None
+                else self.host.available_bytes,
+                "host_ours_bytes": None if self.host is None else self.host.ours_bytes,
+                "host_note": self.host_note}
+
+
 @dataclass
 class Plan:
     model: ModelFacts
@@ -183,6 +250,7 @@ class Plan:
     chosen: dict[str, str] = field(default_factory=dict)  # key -> why (for "auto" values)
     problems: list[tuple[str, str]] = field(default_factory=list)  # (config key, message)
     warnings: list[str] = field(default_factory=list)
+    standby: StandbyAccount | None = None  # restart.standby not "off"
 
     @property
     def fits(self) -> bool:
@@ -213,6 +281,7 @@ class Plan:
             "chosen": self.chosen, "fits": self.fits,
             "problems": [{"key": k, "message": m} for k, m in self.problems],
             "warnings": self.warnings,
+            "standby": None if self.standby is None else self.standby.as_json(),
         }
 
 
@@ -341,6 +410,7 @@ def make_plan(cfg: Config, model: ModelFacts, gpu: GpuMemory) -> Plan:
                 block_size=block, max_model_len=max_len, max_num_seqs=seqs,
                 max_num_batched_tokens=batched, tensor_parallel_size=tp, chosen=chosen)
     _judge(plan, cfg)
+    _judge_standby(plan, cfg)
     return plan
 
 
@@ -404,6 +474,116 @@ def _judge(plan: Plan, cfg: Config) -> None:
             f"{plan.max_num_seqs * plan.max_model_len} > {plan.kv_tokens} KV tokens: at full "
             f"length only {plan.full_length_seqs:.1f} run at once, the rest wait (max_num_seqs "
             "is a queue limit, the KV cache the real one)")
+
+
+def _judge_standby(plan: Plan, cfg: Config) -> None:
+    """restart.standby beside the serving engine, on each GPU (the host: :func:`judge_host`).
+
+    vLLM refuses to start unless the GPU's free memory is at least its budget, and it uses more
+    outside it: the serving engine's peak and what the standby holds meanwhile must fit."""
+    mode = cfg.restart.standby
+    if mode not in ("sleep", "awake"):
+        return
+    g = gib
+    total = plan.gpu.total_bytes
+    outside = plan.outside_budget_bytes
+    peak = plan.budget_bytes + outside
+    if mode == "sleep":
+        held = SLEEP_GPU_KEEP_BYTES
+        note = "a sleeping engine keeps it on each GPU (0.84 GiB measured: H200, Qwen3-14B fp8)"
+        most = (total - outside - held) / total
+        pinned = plan.weights_bytes * plan.tensor_parallel_size
+        acc = StandbyAccount(mode, held, note, peak + held, host_pinned_bytes=pinned,
+                             host_bytes=pinned + 2 * ENGINE_HOST_BYTES,
+                             host_peak_bytes=2 * pinned + 2 * ENGINE_HOST_BYTES)
+    else:
+        held = peak
+        note = "an awake engine: a second budget and what vLLM uses outside it"
+        most = (total / 2 - outside) / total
+        acc = StandbyAccount(mode, held, note, peak + held)
+        plan.warnings.append('restart.standby = "awake" on a GPU takes a whole second engine; '
+                             '"sleep" keeps ~1 GiB of it there (awake is meant for CPU vLLM)')
+    plan.standby = acc
+    if peak + held <= total:
+        return
+    most = math.floor(most * 100) / 100
+    at = None
+    if most > 0:
+        lower = dataclasses.replace(
+            cfg, vllm=dataclasses.replace(cfg.vllm, gpu_memory_utilization=most),
+            restart=dataclasses.replace(cfg.restart, standby="off"))
+        at = make_plan(lower, plan.model, plan.gpu)
+    if at is not None and at.fits and at.kv_tokens > 0:
+        acc.max_utilization, acc.kv_tokens_at_max = most, at.kv_tokens
+        fix = (f"expected vllm.gpu_memory_utilization at most {most:.2f} ({at.kv_tokens:,} KV "
+               f"tokens instead of {plan.kv_tokens:,}) or restart.standby = \"off\"")
+    else:
+        acc.max_utilization = max(most, 0.0)
+        fix = ("no gpu_memory_utilization leaves this model a KV cache beside it: expected "
+               "restart.standby = \"off\"" + (' or "sleep"' if mode == "awake" else "")
+               + " (or a larger GPU)")
+    what = (f"and the ~{g(held)} a sleeping standby keeps" if mode == "sleep"
+            else "twice (an awake standby is a second engine)")
+    plan.problems.append((
+        "restart.standby",
+        f"found \"{mode}\": the serving engine's peak {g(peak)} (budget {g(plan.budget_bytes)} "
+        f"at gpu_memory_utilization {plan.gpu_memory_utilization:g} + ~{g(outside)} outside "
+        f"it) {what} make {g(peak + held)}, more than the GPU's {g(total)}; {fix}"))
+
+
+def judge_host(plan: Plan, host: HostMemory | str) -> None:
+    """The host's side of a sleeping standby.  Both engines' host memory (the standby's weights
+    pinned + each engine's processes) above the machine's RAM is a problem: it can never fit.
+    Above what is available now, or with the serving engine's weights pinned too (after a
+    rebuild; not measured yet) above it, a warning: memory may come back, and the standby is
+    not what serves.  What this process's own engines hold counts as available: they are the
+    ones.  Once per plan."""
+    acc = plan.standby
+    if acc is None or acc.mode != "sleep" or acc.host is not None or acc.host_note:
+        return
+    if isinstance(host, str):
+        acc.host_note = host
+        plan.warnings.append(f"restart.standby: host memory not checked: {host}")
+        return
+    acc.host = host
+    g = gib
+    need = acc.host_bytes
+    what = (f"{g(acc.host_pinned_bytes)} of weights pinned while the standby sleeps + "
+            f"~{g(ENGINE_HOST_BYTES)} for each engine's processes")
+    if need > host.total_bytes:
+        plan.problems.append((
+            "restart.standby",
+            f"found \"sleep\": the two engines need about {g(need)} of host memory ({what}), "
+            f"more than this machine's {g(host.total_bytes)}; expected restart.standby = "
+            "\"off\" (or more RAM)"))
+    elif acc.host_peak_bytes > host.room_bytes:
+        ours = f" (with {g(host.ours_bytes)} qwen4090's engines hold)" if host.ours_bytes else ""
+        now = (f"the two engines need about {g(need)} of host memory ({what})"
+               if need > host.room_bytes else
+               f"the two engines may need up to {g(acc.host_peak_bytes)} of host memory once "
+               "the serving engine has slept for a rebuild (both keep their weights pinned)")
+        plan.warnings.append(
+            f"restart.standby = \"sleep\": {now}; {g(host.room_bytes)} is available "
+            f"now{ours}: a standby may fail to sleep, or the host swap")
+
+
+def host_memory() -> HostMemory | str:
+    """The host's memory now: MemTotal, MemAvailable, and the RSS of this process's children
+    (a daemon's vLLM engines: what they hold is theirs again at a relaunch); a str says why
+    not."""
+    import psutil
+
+    try:
+        vm = psutil.virtual_memory()
+        ours = 0
+        for child in psutil.Process().children(recursive=True):
+            try:
+                ours += child.memory_info().rss
+            except psutil.Error:
+                continue  # gone meanwhile
+    except (psutil.Error, OSError) as e:
+        return f"cannot read the host's memory: {e}"
+    return HostMemory(int(vm.total), int(vm.available), ours)
 
 
 def gib(n: float) -> str:
@@ -483,6 +663,8 @@ def render(plan: Plan, cfg: Config) -> str:
                      f"of the full {plan.max_model_len:,} at once, or "
                      f"{plan.kv_tokens // short} of {short} tokens")
     lines.append("")
+    if plan.standby is not None:
+        _render_standby(plan, plan.standby, row, lines)
     for w in plan.warnings:
         lines.append(f"warning: {w}")
     for key, msg in plan.problems:
@@ -491,6 +673,35 @@ def render(plan: Plan, cfg: Config) -> str:
         lines.append(f"fits: vLLM should report about {plan.kv_tokens:,} KV tokens"
                      f"{' (' + v.served_model_name + ')' if v.served_model_name else ''}")
     return "\n".join(lines)
+
+
+def _render_standby(plan: Plan, acc: StandbyAccount, row: Any, lines: list[str]) -> None:
+    g = gib
+    lines.append(f"standby   restart.standby = \"{acc.mode}\": a second engine beside this one")
+    row("+ sleeping standby" if acc.mode == "sleep" else "+ awake standby",
+        g(acc.gpu_bytes), acc.gpu_note)
+    if acc.fits_gpu:
+        verdict = "fits"
+    elif acc.kv_tokens_at_max:
+        verdict = (f"DOES NOT FIT: gpu_memory_utilization at most {acc.max_utilization:.2f} "
+                   f"({acc.kv_tokens_at_max:,} KV tokens)")
+    else:
+        verdict = "DOES NOT FIT at any gpu_memory_utilization"
+    row("= peak with the standby", g(acc.peak_bytes),
+        f"of the GPU's {g(plan.gpu.total_bytes)}: {verdict}")
+    if acc.mode == "sleep":
+        row("host: pinned weights", g(acc.host_pinned_bytes),
+            "the standby's weights, in host memory while it sleeps")
+        h = acc.host
+        now = (f"; {g(h.total_bytes)} of RAM, {g(h.room_bytes)} available now"
+               + (f" (with {g(h.ours_bytes)} qwen4090's engines hold)" if h.ours_bytes else "")
+               if h is not None else f"; host not read: {acc.host_note}" if acc.host_note
+               else "")
+        row("host: both engines", g(acc.host_bytes),
+            f"pinned + ~{g(ENGINE_HOST_BYTES)} each for their processes{now}")
+        row("host: after a rebuild", g(acc.host_peak_bytes),
+            "if the serving engine keeps its weights pinned after its sleep (not measured)")
+    lines.append("")
 
 
 # --- the GPU the plan is for --------------------------------------------------------------------

@@ -52,6 +52,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     launch = resolve(cfg, read_facts(cfg, os.environ, gpu, model))
     account = launch.plan
     assert account is not None  # the GPU and the model are known
+    if account.standby is not None:  # restart.standby: its host memory, as the preflight does
+        plan.judge_host(account, plan.host_memory())
     if args.json:
         out = account.as_json()
         out["learned"] = list(launch.learned)

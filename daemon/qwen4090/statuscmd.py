@@ -121,8 +121,11 @@ def summary(doc: dict[str, Any], now: float | None = None) -> str:
                      f"requests, {front.get('held')} held, {front.get('replayed')} replayed, "
                      f"{front.get('hold_timeouts')} timed out, {front.get('stream_errors')} "
                      "streams ended by an error")
-    from qwen4090.httpapi import gpu_list
+    from qwen4090.httpapi import gpu_list, standby_of, standby_summary
 
+    standby = standby_of(doc)  # none with restart.standby = "off" (or an older daemon)
+    if standby is not None:
+        lines.append(f"  standby   {standby_summary(standby)}")
     for i, g in enumerate(gpu_list(doc.get("gpu"))):
         shown = ", ".join(f"{k}={_val(v)}" for k, v in g.items() if k != "index")
         lines.append(f"  gpu{g.get('index', i)}      {shown}")

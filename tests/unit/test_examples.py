@@ -29,7 +29,11 @@ def exported() -> set[str]:
     assert not isinstance(sample, str), sample
     doc = {"state": "ready", "ready": True, "time_to_ready_seconds": 1.0,
            "warmup": {"ok": True, "seconds": 1.0, "rows": []}, "supervisor": {},
-           "gpu": sample.metrics(0)}
+           "gpu": sample.metrics(0),
+           "standby": {"mode": "sleep", "state": "ready", "ready": True, "failovers": 1,
+                       "fallbacks": 0, "rebuilds": 1,
+                       "last_failover": {"cause": "hang", "ok": True, "seconds": 1.4,
+                                         "wake_seconds": 0.5, "kv_tokens": None}}}
     names = set()
     for fam in metric_families(doc):
         names.add(fam.name)
