@@ -159,6 +159,9 @@ class LineRouter:
         return parsed
 
 
+ENGINE_LOOK_EVERY = 5.0  # seconds between looks for the EngineCore while none is known
+
+
 class VllmChild:
     """One running vLLM process tree."""
 
@@ -178,6 +181,8 @@ class VllmChild:
         self.tail: deque[str] = deque(maxlen=tail_lines)
         self.lines = 0
         self.last_output = clock()
+        self._engines: list[int] = []  # its EngineCore pids, once known (engine_gone)
+        self._engines_looked = -1e18
         self.started = clock()
         self._on_line = on_line
         self._on_engine_dead = on_engine_dead
@@ -278,6 +283,24 @@ class VllmChild:
     def group_alive(self) -> bool:
         self.poll()
         return bool(self.group_members())
+
+    def engine_gone(self) -> str | None:
+        """Why this group's EngineCore is gone (None: alive, or none known yet).
+
+        vLLM's API server says so itself ("engine core exited unexpectedly"), but on the H200
+        2.6-2.8 s after a SIGKILL (issue 21: the standby's takeover waited for it).  A read of
+        /proc/PID/stat per EngineCore is cheap enough for every loop step while it serves."""
+        if not self._engines and self.clock() - self._engines_looked >= ENGINE_LOOK_EVERY:
+            self._engines_looked = self.clock()  # a walk of the group: not at every step
+            self._engines = self.engine_pids()
+        for pid in self._engines:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                return f"its EngineCore (pid {pid}) is gone"
+            if stat[stat.rfind(")") + 2:][:1] in ("Z", "X"):
+                return f"its EngineCore (pid {pid}) exited"
+        return None
 
     def engine_pids(self) -> list[int]:
         """The EngineCore processes of this tree (vLLM names them with setproctitle)."""

@@ -314,6 +314,10 @@ class Run:
               ) -> list[Verdict]:
         """One serving step: send the poll and the canary when due, judge the ones in flight."""
         out = _Verdicts(state)
+        if (gone := self.child.engine_gone()) is not None and self.child.poll() is None:
+            # before vLLM's own line (seconds later on the H200): the restart, or the standby
+            out.fail(ExitVerdict(Cause.ENGINE_DEAD, f"vLLM's EngineCore died: {gone}", True))
+            return out.out
         if self.serving.poll_due(now, w.poll_interval) and "poll" not in self.tasks:
             self.submit(now, "poll", _PollJob(self.probe, w.health_timeout, self.clock,
                                               self.owner_check(ports)))

@@ -72,6 +72,7 @@ PROGRESS_WINDOW = 120.0  # output or warmup steps within this long count as "mak
 IDLE_TICK = 0.5
 WAIT_TICK = 0.2
 LAST_LINES_TICK = 0.02  # vLLM's last lines: the pipes end milliseconds after its group
+ENGINE_TICK = 0.2  # while serving: how soon a dead EngineCore is seen (a /proc read per look)
 
 
 class Supervisor:
@@ -164,11 +165,14 @@ class Supervisor:
         if self.moved:
             return 0.0
         run = self.run
-        if self.state is S.RESTARTING and run is not None and run.gone_at is not None:
-            return LAST_LINES_TICK
+        if self.state is S.RESTARTING and ((run is not None and run.gone_at is not None)
+                                           or self.failover_pending):
+            return LAST_LINES_TICK  # (a failover waits for the GPU to let go: not a tick)
         waits = [IDLE_TICK]
         if self.state in (S.RESTARTING, S.STOPPING, S.STARTING, S.LOADING):
             waits.append(WAIT_TICK)
+        if self.state in states.SERVING_STATES:
+            waits.append(ENGINE_TICK)  # a dead EngineCore is seen within it (Run.watch)
         due = [] if self.restart_at is None else [self.restart_at]
         if run is not None:
             due += run.deadlines(self.state, self.cfg.watch)
@@ -437,6 +441,8 @@ class Supervisor:
         self.log.info("failover_started", cause=self.failure.cause.value, pid=run.child.pid,
                       port=run.config.vllm.port, asleep=self.keeper.sleeps)
         self.state_reason = f"failover: waking the standby (pid {run.child.pid})"
+        if not self.keeper.sleeps:  # awake: nothing to wake, its check is on the way
+            self.emit(StandbyWoken(0.0))
 
     def on_failover_wake(self, now: float, res: HealthResult, started: float) -> None:
         run = self.run

@@ -74,6 +74,9 @@ class FakeChild:
     def output_closed(self) -> bool:
         return self.closed
 
+    def engine_gone(self) -> str | None:
+        return None if self.engine_alive or not self.alive else "its EngineCore (pid 0) is gone"
+
     def engine_pids(self) -> list[int]:
         return [self.pid + 1000] if self.alive and self.engine_alive else []
 

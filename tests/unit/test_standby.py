@@ -212,3 +212,15 @@ def test_stop_stops_the_standby_too() -> None:
     h.sup.deliver(signal.SIGTERM)
     h.until(lambda: h.sup.done)
     assert not h.children[0].alive and not h.children[1].alive
+
+
+def test_a_dead_engine_core_is_seen_before_vllm_says_so() -> None:
+    """vLLM's own "engine core exited unexpectedly" came 2.6-2.8 s after the SIGKILL on the
+    H200; the watch reads the EngineCore's /proc entry at each step while serving."""
+    h = StandbyHarness("awake")
+    h.standby_ready()
+    h.children[0].engine_alive = False  # the API server lives on, says nothing yet
+    h.step(0.25)
+    assert h.sup.state is S.RESTARTING
+    assert h.failure.cause.value == "engine_dead" and "EngineCore" in h.failure.detail
+    assert h.sup.next_wakeup(h.clock.t) <= 0.2 or h.sup.state is not S.READY
