@@ -8,9 +8,10 @@ fingerprint and the same argv.  Each step works on the result of the one before:
 2. the OOM limits learned from earlier restarts (learned.json), for this model and GPU only;
 3. "auto" limits chosen by the KV-cache plan (plan.py), when the GPU and the model are known
    and ``gpu.enabled`` is not "off" (with it off the plan is only shown, never applied);
-4. the fixed KV budget of the last good start (``restart.fixed_kv_budget``, kvbudget.py);
-5. the address: behind the front (``front.enabled``), vLLM listens on 127.0.0.1:engine_port;
-6. the standby (``restart.standby = "sleep"``): every engine may sleep (vLLM's sleep mode).
+4. sleep mode (``restart.standby = "sleep"``): every engine may sleep (the standby, and the
+   serving engine while a new standby starts);
+5. the fixed KV budget of the last good start (``restart.fixed_kv_budget``, kvbudget.py);
+6. the address: behind the front (``front.enabled``), vLLM listens on 127.0.0.1:engine_port.
 
 :func:`resolve` is pure (facts in, a :class:`Launch` out); :func:`read_facts` does the I/O.
 The commands that show and reset what a launch gets, ``plan`` and ``reset-learned``, are
@@ -148,12 +149,15 @@ def resolve(cfg: Config, facts: Facts) -> Launch:
     for k in _changed(taught, chosen):
         assert the_plan is not None
         settings[k] = Setting(getattr(chosen.vllm, k), Origin.PLAN, the_plan.chosen.get(k, ""))
+    # sleep mode first: the budget is recorded with the flags the engine ran with (a budget
+    # looked up without the flag missed: the H200's standby profiled its own KV cache)
+    chosen = with_sleep_mode(chosen)
     kv_base = {**fp, "runtime": facts.runtime}
     n, kv_note = kvbudget.budget(chosen, facts.kv_budget, kv_base)
     if n is not None:
         settings[KV_KEY] = Setting(n, Origin.KV_BUDGET, kv_note or "")
         chosen = kvbudget.with_budget(chosen, n)
-    chosen = with_sleep_mode(behind_front(chosen))
+    chosen = behind_front(chosen)
     return Launch(config=chosen, argv=tuple(render_argv(chosen.vllm)), settings=settings,
                   gpu=facts.gpu, fingerprint=fp, kv_base=kv_base, plan=the_plan,
                   no_plan=no_plan,

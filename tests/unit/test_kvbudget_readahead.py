@@ -218,3 +218,20 @@ def test_the_gpu_part_gives_the_record_the_plans_bytes_per_token(tmp_path: Path)
         Plan, SimpleNamespace(kv_bytes_per_token=163_840)))
     assert parts.remember_kv(planned, 34_672, int(5.29 * GIB))
     assert parts.launch(c).kv_budget == 34_672 * 163_840
+
+
+def test_sleep_mode_engines_get_the_budget_the_first_one_recorded(tmp_path: Path) -> None:
+    """restart.standby = "sleep" adds --enable-sleep-mode: the budget recorded at the serving
+    engine's READY must apply to the standby's launch (on the H200 it did not: the standby
+    profiled 37,488 KV tokens where the serving engine had 32,976)."""
+    kv = KvBudget(tmp_path)
+    c = from_dict({"vllm": {"model": "/m"}, "restart": {"fixed_kv_budget": True,
+                                                        "standby": "sleep"},
+                   "front": {"enabled": True}})
+    first = resolve(kv, c)
+    assert "--enable-sleep-mode" in first.config.vllm.extra_args and FLAG not in \
+        first.config.vllm.extra_args
+    assert record(kv, first, ready())
+    standby = launch.on_port(resolve(kv, c), c.front.engine_port + 1)
+    assert standby.config.vllm.extra_args[-2:] == [FLAG, str(4 * GIB)]
+    assert "--enable-sleep-mode" in standby.argv and str(c.front.engine_port + 1) in standby.argv
