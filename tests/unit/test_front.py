@@ -403,3 +403,40 @@ def test_open_front_waits_for_a_taken_client_port_then_says_who_holds_it() -> No
     off = cli.open_front(from_dict({"front": {"enabled": False}}), log, extended.append,
                          lambda: False)
     assert off is not None and off.sample() is None
+
+
+def test_pointed_at_the_standby_the_next_engine_gets_the_requests(upstream: Upstream) -> None:
+    """A failover (issue 21): the front is pointed at the standby's port, then opened."""
+    other = Upstream()
+    f = make_front(upstream)
+    try:
+        assert request(f.listen[1])[0] == 200 and len(upstream.seen) == 1
+        f.engine_down("engine_dead")
+        later = Later(f.listen[1])
+        assert wait_until(lambda: f.sample().holding == 1)
+        f.point(("127.0.0.1", other.port))
+        f.engine_up("the standby")
+        assert later.get()[0] == 200
+        assert len(upstream.seen) == 1 and len(other.seen) == 1  # held, then to the standby
+        assert "front_engine_moved" in f.log.names()
+    finally:
+        f.stop()
+        other.close()
+
+
+def test_vllm_development_endpoints_are_not_served_to_clients(upstream: Upstream) -> None:
+    """With restart.standby = "sleep" vLLM runs with VLLM_SERVER_DEV_MODE=1: /sleep, /wake_up,
+    /collective_rpc ... exist on the engine; a client must not put it to sleep."""
+    f = make_front(upstream)
+    try:
+        for path in ("/sleep", "/wake_up", "/collective_rpc", "/reset_prefix_cache"):
+            conn = http.client.HTTPConnection("127.0.0.1", f.listen[1], timeout=10)
+            conn.request("POST", path + "?level=1", body=b"{}")
+            r = conn.getresponse()
+            assert r.status == 404, path
+            assert b"not served on the client port" in r.read()
+            conn.close()
+        assert upstream.seen == []
+        assert request(f.listen[1])[0] == 200  # the API itself passes
+    finally:
+        f.stop()

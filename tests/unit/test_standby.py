@@ -224,3 +224,26 @@ def test_a_dead_engine_core_is_seen_before_vllm_says_so() -> None:
     assert h.sup.state is S.RESTARTING
     assert h.failure.cause.value == "engine_dead" and "EngineCore" in h.failure.detail
     assert h.sup.next_wakeup(h.clock.t) <= 0.2 or h.sup.state is not S.READY
+
+
+def test_a_standby_needs_the_front_and_a_free_port_above_the_engine_port() -> None:
+    import pytest
+
+    from qwen4090.config import ConfigError, from_dict
+    with pytest.raises(ConfigError, match=r"restart\.standby"):
+        from_dict({"restart": {"standby": "sleep"}, "front": {"enabled": False}})
+    with pytest.raises(ConfigError, match=r"front\.engine_port"):
+        from_dict({"restart": {"standby": "awake"}, "vllm": {"port": 8001},
+                   "front": {"engine_port": 8000}, "status": {"port": 9000}})
+    assert from_dict({"restart": {"standby": "sleep"}}).restart.standby == "sleep"
+
+
+def test_status_line_says_the_standby() -> None:
+    h = StandbyHarness("awake")
+    h.standby_ready()
+    assert "standby ready" in h.sup.status_line(h.clock.t)
+    h.children[0].exit(1)
+    h.step(0.25)
+    h.step(0.25)
+    line = h.sup.status_line(h.clock.t)
+    assert h.sup.state is S.READY or "failing over to the standby" in line, line
