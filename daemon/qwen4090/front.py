@@ -88,6 +88,7 @@ class FrontSample:
     #                         vLLM too)
     open: bool  # the engine is up: requests pass
     draining: bool
+    last_byte_at: float | None = None  # when (the front's clock) the last of those came in
 
 
 @dataclass
@@ -146,6 +147,7 @@ class Front:
         self._unanswered: dict[int, float] = {}
         self._held: dict[int, float] = {}  # waiting for an engine: since when
         self._bytes = 0
+        self._last_byte: float | None = None
         self.totals = Totals()
         # the engine gate, changed on the front's loop only
         self._open = engine_up
@@ -272,7 +274,8 @@ class Front:
         with self._lock:
             oldest = now - min(self._unanswered.values()) if self._unanswered else 0.0
             return FrontSample(self._in_flight, self._holding, len(self._unanswered),
-                               max(0.0, oldest), self._bytes, self._open, self._draining)
+                               max(0.0, oldest), self._bytes, self._open, self._draining,
+                               self._last_byte)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> None:
         loop = self._loop
@@ -521,6 +524,7 @@ class Front:
         with self._lock:
             if progress:
                 self._bytes += n
+                self._last_byte = self.clock()
             self._unanswered.pop(rid, None)
 
     def _hold_timeout(self, request: web.Request, arrived: float) -> web.Response:

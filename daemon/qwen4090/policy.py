@@ -267,6 +267,7 @@ class Progress:
     running: float
     waiting: float
     tokens: float  # any counter that grows while the engine makes progress
+    moved_at: float | None = None  # when the last of it was seen, if a witness knows (the front)
 
     @property
     def busy(self) -> bool:
@@ -295,17 +296,27 @@ class HangDetector:
         self.poll_interval = poll_interval
         self._last_tokens: float | None = None
         self._since: float | None = None  # when tokens last changed or the engine was idle
+        self._seen: float | None = None  # the last sample
 
     def reconfigure(self, hang_timeout: float, poll_interval: float) -> None:
         """A reload's [watch] (the stall being timed goes on)."""
         self.hang_timeout, self.poll_interval = hang_timeout, poll_interval
 
     def observe(self, now: float, p: Progress) -> float:
-        """Record a sample; return how many seconds the busy engine has made no progress."""
+        """Record a sample; return how many seconds the busy engine has made no progress.
+
+        Progress seen at a sample happened since the one before; when the front saw its last
+        answer byte in between (``moved_at``), the stall is dated from that byte, not from
+        this sample: on the H200 a hang was detected up to a poll interval (2 s) late."""
+        before, self._seen = self._seen, now
         if not p.busy or self._last_tokens is None or p.tokens != self._last_tokens \
                 or self._since is None:
+            moved = self._last_tokens is not None and p.tokens != self._last_tokens
             self._last_tokens = p.tokens
             self._since = now
+            if moved and p.busy and p.moved_at is not None and before is not None \
+                    and before < p.moved_at <= now:
+                self._since = p.moved_at
             return 0.0
         return now - self._since
 
@@ -329,6 +340,7 @@ class HangDetector:
     def reset(self) -> None:
         self._last_tokens = None
         self._since = None
+        self._seen = None
 
 
 # --- stop and canary verdicts ---------------------------------------------------------------

@@ -490,6 +490,12 @@ class Run:
             return failure  # judged already (a held port's wait must not be judged twice)
         return judge(self.exit_verdict(tail))
 
+    def tail_decides(self, failure: ExitVerdict | None) -> bool:
+        """Can vLLM's last lines still change this verdict (final_verdict)?  Only for an exit
+        of its own (classify_exit reads them) and for an engine death (its OOM text may follow
+        the death line); a hang, a canary or failing health that we ended stays what it is."""
+        return failure is None or self.exit_rc is not None or failure.cause is Cause.ENGINE_DEAD
+
     def engine_died(self, line: str) -> ExitVerdict:
         return engine_dead_verdict(self.child.tail_lines(), line)
 
@@ -642,7 +648,7 @@ def _progress(m: MetricsResult, front: FrontSample | None) -> Progress:
     if front is None:
         return Progress(running, waiting, tokens)
     return Progress(max(running, front.in_flight - front.holding), waiting,
-                    tokens + front.bytes_from_engine)
+                    tokens + front.bytes_from_engine, front.last_byte_at)
 
 
 def _busy(m: MetricsResult) -> bool:

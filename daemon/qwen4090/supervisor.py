@@ -642,8 +642,14 @@ class Supervisor:
                 self.failover_failed(now, f"no wake and check within {limit:g}s")
             return
         if run is not None:
-            if not run.reap_group(now) or not run.last_lines_in(now):
-                return  # vLLM's last lines are still on their way (never blocking the loop)
+            if not run.reap_group(now):
+                return
+            if not run.last_lines_in(now) and not (self.takeover and not run.tail_decides(
+                    self.failure)):
+                # vLLM's last lines are still on their way (never blocking the loop); a
+                # takeover does not wait for lines that cannot change it (a hang we ended:
+                # on the H200 the wait took 2 s of the failover, up to OUTPUT_WAIT)
+                return
             if self.fell_back:  # the standby that did not take over: now a normal restart
                 self.fell_back = False
                 self.gone_at = now

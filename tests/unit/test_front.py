@@ -410,7 +410,10 @@ def test_pointed_at_the_standby_the_next_engine_gets_the_requests(upstream: Upst
     other = Upstream()
     f = make_front(upstream)
     try:
+        before = time.monotonic()
         assert request(f.listen[1])[0] == 200 and len(upstream.seen) == 1
+        seen = f.sample().last_byte_at  # the hang detector dates a stall from it
+        assert seen is not None and seen >= before
         f.engine_down("engine_dead")
         later = Later(f.listen[1])
         assert wait_until(lambda: f.sample().holding == 1)

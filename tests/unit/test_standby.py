@@ -247,3 +247,31 @@ def test_status_line_says_the_standby() -> None:
     h.step(0.25)
     line = h.sup.status_line(h.clock.t)
     assert h.sup.state is S.READY or "failing over to the standby" in line, line
+
+
+def test_a_hang_is_dated_from_the_fronts_last_answer_byte() -> None:
+    """The stall starts at the front's last byte from the engine when it came after the
+    previous look, not at the look that saw the tokens move (H200: up to 2 s later)."""
+    from qwen4090.policy import HangDetector, Progress
+    h = HangDetector(15.0, 2.0)
+    h.judge(100.0, Progress(2, 0, 10.0, moved_at=99.0))
+    assert h.judge(102.0, Progress(2, 0, 11.0, moved_at=100.5)).stalled == 0.0
+    assert h.deadline() == 115.5  # not 117.0
+    assert h.judge(115.5, Progress(2, 0, 11.0, moved_at=100.5)).hung
+    # a byte older than the previous look is no witness: the look's own time counts
+    h2 = HangDetector(15.0, 2.0)
+    h2.judge(100.0, Progress(2, 0, 10.0))
+    h2.judge(102.0, Progress(2, 0, 11.0, moved_at=99.0))
+    assert h2.deadline() == 117.0
+
+
+def test_a_takeover_of_a_hang_does_not_wait_for_vllms_last_lines() -> None:
+    h = StandbyHarness("sleep")
+    h.standby_ready()
+    h.children[0].closed = False  # its pipes stay open (a process of the tree holds them)
+    serving = h.probe_of(ENGINE)
+    serving.running, serving.tokens_per_metrics = 2.0, 0.0
+    h.until(lambda: h.sup.state is S.RESTARTING)
+    t0 = h.clock.t
+    h.until(lambda: h.sup.state is S.READY, dt=0.02)
+    assert h.clock.t - t0 < 1.0  # not OUTPUT_WAIT (2 s) for the lines of a hang we ended
