@@ -100,6 +100,8 @@ class GpuLike(Protocol):
     def preflight(self, chosen: Launch) -> PreflightResult: ...
     # Which of these pids still hold memory on the GPU with this NVML index (None: none).
     def held(self, device: int, pids: list[int]) -> str | None: ...
+    # Is this fraction of the GPU's usable memory free now (None: cannot tell)?
+    def room(self, device: int, fraction: float) -> bool | None: ...
     # READY: vLLM sized its KV cache at (tokens, bytes); True when kept for the next launch.
     def remember_kv(self, launched: Launch, tokens: int | None, kv_bytes: int | None) -> bool: ...
     # A start given the remembered KV budget failed: True when it was forgotten.
@@ -122,6 +124,9 @@ class NoGpu:
         return PreflightResult()
 
     def held(self, device: int, pids: list[int]) -> str | None:
+        return None
+
+    def room(self, device: int, fraction: float) -> bool | None:
         return None
 
     def remember_kv(self, launched: Launch, tokens: int | None, kv_bytes: int | None) -> bool:

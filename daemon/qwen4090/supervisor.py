@@ -428,6 +428,20 @@ class Supervisor:
         port = next(p for p in engine_ports(self.cfg) if p != serving)
         return chosen, port
 
+    def room_for_standby(self, now: float) -> bool:
+        """The GPU has room for the woken standby now (its gpu_memory_utilization free):
+        no need to wait for the failed group's memory (True only when NVML says so)."""
+        standby = self.keeper.run
+        if not self.old_pids or standby is None:
+            return False
+        v = standby.config
+        if not self.p.gpu.room(v.gpu.device, v.vllm.gpu_memory_utilization):
+            return False
+        self.log.info("gpu_room_for_standby", waited=round(now - self.gone_at, 2),
+                      held=self.p.gpu.held(v.gpu.device, self.old_pids))
+        self.old_pids = []
+        return True
+
     def step_rebuilding(self, now: float) -> None:
         """The serving engine sleeps (or wakes) for a standby's build: no polls nor canaries
         (an engine asleep answers none); the keeper bounds each step."""
@@ -665,7 +679,9 @@ class Supervisor:
             self.after_child_gone(now, tail)
             return
         if self.failover_pending:
-            if not self.gpu_released(now):  # an asleep standby wakes into that memory
+            # an asleep standby wakes into the memory the failed group held: once it is
+            # released, or as soon as there is room for the standby anyway
+            if not self.room_for_standby(now) and not self.gpu_released(now):
                 return
             self.failover_pending = False
             self.begin_failover(now)

@@ -275,3 +275,44 @@ def test_a_takeover_of_a_hang_does_not_wait_for_vllms_last_lines() -> None:
     t0 = h.clock.t
     h.until(lambda: h.sup.state is S.READY, dt=0.02)
     assert h.clock.t - t0 < 1.0  # not OUTPUT_WAIT (2 s) for the lines of a hang we ended
+
+
+class HeldGpu:
+    """NVML's word while the failed group's memory is being released."""
+
+    def __init__(self, room: bool | None) -> None:
+        from tests.support.fakes import CheckedGpu
+        self.base = CheckedGpu()
+        self.has_room = room
+        self.releasing = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
+
+    def held(self, device: int, pids: list[int]) -> str | None:
+        return "pid 4242 (VLLM::EngineCore) 20.0 GiB" if self.releasing else None
+
+    def room(self, device: int, fraction: float) -> bool | None:
+        return self.has_room
+
+
+def test_the_standby_wakes_as_soon_as_the_gpu_has_room_for_it() -> None:
+    h = StandbyHarness("sleep")
+    h.sup.p.gpu = HeldGpu(room=True)
+    h.standby_ready()
+    h.children[0].exit(1)
+    h.until(lambda: h.sup.state is S.READY, dt=0.02, limit=200)
+    assert "gpu_room_for_standby" in h.log.names()
+
+
+def test_without_room_the_standby_waits_for_the_gpu_to_let_go() -> None:
+    h = StandbyHarness("sleep", {"gpu": {"release_timeout": 30.0}})
+    gpu = HeldGpu(room=None)  # NVML cannot tell
+    h.sup.p.gpu = gpu
+    h.standby_ready()
+    h.children[0].exit(1)
+    h.step(0.25, 20)
+    assert h.sup.state is S.RESTARTING and h.sup.keeper.ready  # still waiting, not woken
+    gpu.releasing = False
+    h.until(lambda: h.sup.state is S.READY)
+    assert "gpu_released" in h.log.names() and "gpu_room_for_standby" not in h.log.names()
