@@ -684,6 +684,11 @@ class Supervisor:
             if not self.room_for_standby(now) and not self.gpu_released(now):
                 return
             self.failover_pending = False
+            if not self.keeper.ready:  # it failed while the GPU let go: the normal restart
+                self.log.warning("failover_failed", reason="the standby was lost before its "
+                                 "wake", fallback="the normal restart")
+                self.restart_at = now
+                return
             self.begin_failover(now)
             return
         if self.restart_at is not None and now >= self.restart_at:

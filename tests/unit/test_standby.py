@@ -316,3 +316,18 @@ def test_without_room_the_standby_waits_for_the_gpu_to_let_go() -> None:
     gpu.releasing = False
     h.until(lambda: h.sup.state is S.READY)
     assert "gpu_released" in h.log.names() and "gpu_room_for_standby" not in h.log.names()
+
+
+def test_a_standby_lost_while_the_gpu_lets_go_means_the_normal_restart() -> None:
+    h = StandbyHarness("sleep", {"gpu": {"release_timeout": 30.0}})
+    gpu = HeldGpu(room=False)
+    h.sup.p.gpu = gpu
+    h.standby_ready()
+    h.children[0].exit(1)
+    h.step(0.25, 4)
+    assert h.sup.failover_pending
+    h.children[1].exit(1)  # the standby dies meanwhile
+    h.step(0.25, 2)
+    gpu.releasing = False
+    h.until(lambda: len(h.children) == 3)  # a fresh vLLM, no crash on a missing standby
+    assert h.log.named("failover_failed")[-1]["reason"].startswith("the standby was lost")
