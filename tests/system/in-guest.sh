@@ -62,6 +62,7 @@ has() { # has TEXT NEEDLE...: TEXT contains every NEEDLE
 }
 new_lines() { journalctl -u qwen4090 --after-cursor="$1" -o cat --no-pager 2>/dev/null; }
 new_lines_match() { new_lines "$1" | grep -q -- "$2"; }
+no_line() { ! new_lines_match "$1" "$2"; }
 vllm_pid() { pgrep -u "$U" -f vllm.entrypoints 2>/dev/null | head -n1; }
 user_pids() { pgrep -u "$U" 2>/dev/null | sort -n | tr '\n' ' '; }
 no_user_pids() { [ -z "$(user_pids)" ]; }
@@ -735,6 +736,59 @@ r=$(complete 4 "$KEY")
 check "serves again ($r)" test "$r" = "200 4"
 check "the restarted supervisor runs the upgraded unit (QWEN4090_UNIT_GENERATION=2 in pid $(prop MainPID)'s environment)" \
     sh -c "tr '\\0' '\\n' </proc/$(prop MainPID)/environ | grep -qx QWEN4090_UNIT_GENERATION=2"
+
+echo "== the standby engine (restart.standby = \"awake\": the CPU vLLM has no sleep mode)"
+# Issue 21 through the installed unit: the same failover code as "sleep" on a GPU, as user $U
+# under the unit's hardening. A reload turns it on (no vLLM restart for it), the standby is
+# built beside the serving vLLM, an EngineCore SIGKILL is taken over by it with no new vLLM
+# and no systemd restart, a new standby is built, and a reload turns it off again.
+c=$(cursor)
+MAIN=$(prop MainPID); n0=$(prop NRestarts)
+printf '[restart]\nstandby = "awake"\nstandby_quiet = 2\n' >/etc/qwen4090/conf.d/80-standby.toml
+systemctl reload qwen4090
+wait_for 20 new_lines_match "$c" '^reloaded'
+wait_for 400 new_lines_match "$c" '^standby_ready'
+sb=$(new_lines "$c" | grep -m1 '^standby_ready' || true)
+check "after the reload a standby was built beside the serving vLLM, on :$((ENGINE_PORT + 1)): ${sb:-none}" \
+    has "$sb" "port=$((ENGINE_PORT + 1))"
+check "... with no restart of the serving vLLM for the reload" no_line "$c" '^restart_for_reload'
+st=$(runuser -u "$U" -- qwen4090 status 2>/dev/null | grep -i '^ *standby' || true)
+check "\`qwen4090 status\` says a standby is ready: $(echo $st)" has "$st" "ready"
+m=$(python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:8090/metrics", timeout=10).read().decode())' 2>/dev/null |
+    grep -c '^qwen4090_standby_ready 1')
+check "/metrics: qwen4090_standby_ready 1 ($m)" test "$m" = 1
+st=$(status_json 'd["standby"]["state"] + " " + str(d["standby"]["port"])')
+check "/status has the standby: $st" test "$st" = "ready $((ENGINE_PORT + 1))"
+c=$(cursor)
+ts=$(date +%s)
+SERVING=$(listeners "$ENGINE_PORT" | awk 'NR == 1 {print $2}')
+pkill -KILL -u "$U" -P "${SERVING:-0}" -f EngineCore
+wait_for 60 new_lines_match "$c" '^failover_done'
+done_line=$(new_lines "$c" | grep -m1 '^failover_done' || true)
+check "an EngineCore SIGKILL was taken over by the standby $(elapsed "$ts") after it: $(echo "$done_line" | cut -c1-150)" \
+    has "$done_line" "port=$((ENGINE_PORT + 1))"
+check "... no vLLM was started for it" no_line "$c" '^child_spawned'
+r=$(complete 4 "$KEY")
+check "... the front serves from the standby ($r; $(new_lines "$c" | grep -m1 '^front_engine_moved' | cut -c1-80))" \
+    test "$r" = "200 4"
+check "... healed by the supervisor, not systemd (MainPID $MAIN, NRestarts $n0 kept)" \
+    test "$(prop MainPID) $(prop NRestarts) $(prop ActiveState)" = "$MAIN $n0 active"
+rt=$(new_lines "$c" | grep -m1 '^recovery_timeline' || true)
+check "... the journal's recovery_timeline is a failover: $(echo "$rt" | cut -c1-120)" has "$rt" "failover=True"
+wait_for 400 new_lines_match "$c" '^standby_ready'
+check "a new standby was built on the freed port :$ENGINE_PORT" \
+    has "$(new_lines "$c" | grep -m1 '^standby_ready')" "port=$ENGINE_PORT"
+c=$(cursor)
+rm -f /etc/qwen4090/conf.d/80-standby.toml
+systemctl reload qwen4090
+wait_for 30 new_lines_match "$c" '^standby_discarded'
+check "a reload with restart.standby off stops the standby: $(new_lines "$c" | grep -m1 '^standby_discarded' | cut -c1-100)" \
+    new_lines_match "$c" '^standby_discarded'
+one_engine() { [ "$(pgrep -u "$U" -f EngineCore | wc -l)" -le 1 ]; }
+wait_for 60 one_engine
+check "... its group is gone: one EngineCore of $U left ($(pgrep -u "$U" -f EngineCore | tr '\n' ' '))" one_engine
+r=$(complete 4 "$KEY")
+check "... and the serving engine goes on ($r)" test "$r" = "200 4"
 
 echo "== stop drains and leaves no process"
 c=$(cursor)
