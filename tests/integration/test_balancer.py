@@ -39,11 +39,10 @@ HOLD_TIMEOUT = 5.0  # [front] hold_timeout behind a balancer, as both examples s
 # Two vLLMs start at once on 2 cores: 45-90 s; a restart beside the other's load took 40 s
 # to over 3 minutes here, with other tests on the same 2 cores (load average 10-20).
 START_TIMEOUT = 300.0
-# A restart under the other host's load: twice (fresh-clone CI runs) vLLM was not up after the
-# load_timeout (240 s, then 800 s): its API server stopped after its config lines, before its
-# EngineCore started ("Enabled custom fusions" its last line), and the supervisor's next start
-# after the load_timeout was READY in 30 s.  That is the product's healing of a stuck start:
-# the hosts get 300 s and the test waits for a stuck start and the one after it.
+# A restart under the other host's load: vLLM was not up after the load_timeout (240 s, then
+# 800 s) in fresh-clone CI runs while each host's vLLM was pinned to a core (host(): its API
+# server starved); the hosts get 300 s, and the test waits for a start healed by it and the
+# next one.
 LOAD_TIMEOUT = 300.0
 RESTART_TIMEOUT = 2 * LOAD_TIMEOUT + 200.0
 CLIENTS = 2  # client threads per balancer (both balancers are loaded at once; CI has 2 cores)
@@ -213,13 +212,17 @@ def size(path: Path) -> int:
 # --- the fixtures --------------------------------------------------------------------------
 
 def start_host(tmp: Path, name: str, core: int) -> tuple[Daemon, Host]:
-    """``core``: the CPU its vLLM computes on.  vLLM's CPU build pins its worker to a core of
-    its choosing, the same one (core 0 here) for every vLLM on the machine: two instances would
-    share it, and one restarting behind the other's load got 2 s of CPU a minute (its restart
-    took over 3 minutes).  Two hosts have a CPU each."""
+    """``core``: unused since no vLLM is pinned (below).  vLLM's CPU build pins its worker to a
+    core of its choosing, the same one (core 0 here) for every vLLM on the machine, and one
+    restarting behind the other's load got 2 s of CPU a minute.  Pinning each host to its own
+    core (VLLM_CPU_OMP_THREADS_BIND=N, as this test did) is worse: vLLM then restricts its API
+    server to the cores left over, the other host's worker core, where that worker spins at
+    100% under load: a restarted API server sat runnable with 0.1% CPU for minutes (affinity
+    mask 1, seen with taskset in this test; three fresh-clone runs failed on it).  Unpinned
+    ("nobind"), the kernel shares both cores among all of them."""
     port, status_port = free_port(), free_port()
     vllm = cpu_config(port)["vllm"]
-    vllm["env"] = {**vllm["env"], "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+    vllm["env"] = {**vllm["env"], "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     cfg = write_toml(tmp / "qwen4090.toml", cpu_config(
         port, vllm=vllm,
         front={"enabled": True, "engine_port": free_port(), "hold_timeout": HOLD_TIMEOUT},
@@ -372,15 +375,10 @@ def current_state(d: Daemon) -> str | None:
                  if ev.get("event") == "state_changed"), None)
 
 
-def check_clients(seen: dict[str, Any], busy_503: bool = False) -> None:
-    """No client refused or cut; no answer but 200 (``busy_503``: but a balancer's own 503s,
-    when one host was out for minutes and the other alone took the whole load)."""
+def check_clients(seen: dict[str, Any]) -> None:
     for name, s in seen.items():
         assert s["refused_or_reset"] == 0, (name, s)
-        if busy_503:
-            assert set(s["errors"]) <= {"503"}, (name, s)
-        else:
-            assert s["not_200"] == 0, (name, s)
+        assert s["not_200"] == 0, (name, s)
         assert s["sent_after_fault"] > 0 and s["requests"] > 10, (name, s)
 
 
@@ -405,15 +403,11 @@ def test_engine_sigkill_on_one_host_under_load(site: Site) -> None:
     outcomes = loads.finish()
     seen = loads.seen(outcomes, fault_at)
     released = a.event("front_released", after=mark) or {}
-    # A start that stalled (vLLM's API server silent after its config lines, seen in two
-    # fresh-clone CI runs) is healed by the load_timeout and the next start: the outage then
-    # lasts minutes, and HAProxy answers 503 itself while B alone takes the whole load.
-    stuck = a.event("vllm_failed", after=mark, cause="load_timeout") is not None
     record("balancer_engine_sigkill", ready["_t"] - fault_at,
-           haproxy_up_again_s=round(up_at - fault_at, 1), stuck_start_healed=stuck,
+           haproxy_up_again_s=round(up_at - fault_at, 1),
            front_released={k: v for k, v in released.items() if not k.startswith("_")},
            **seen)
-    check_clients(seen, busy_503=stuck)
+    check_clients(seen)
     # A is back in the rotation once HAProxy saw /readyz 200 again
     assert int(stats(site.sock)["gpu1"]["stot"]) > stot_at_up, seen["haproxy"]["stats"]
 
