@@ -315,8 +315,12 @@ class Run:
         """One serving step: send the poll and the canary when due, judge the ones in flight."""
         out = _Verdicts(state)
         if (gone := self.child.engine_gone()) is not None and self.child.poll() is None:
-            # before vLLM's own line (seconds later on the H200): the restart, or the standby
-            out.fail(ExitVerdict(Cause.ENGINE_DEAD, f"vLLM's EngineCore died: {gone}", True))
+            # before vLLM's own line (seconds later on the H200): the restart, or the standby;
+            # said as the supervisor says vLLM's own word (Supervisor.handle_engine_deaths)
+            verdict = ExitVerdict(Cause.ENGINE_DEAD, f"vLLM's EngineCore died: {gone}", True)
+            self.log.warning("engine_died", pid=self.child.pid, cause=verdict.cause.value,
+                             detail=verdict.detail)
+            out.fail(verdict)
             return out.out
         if self.serving.poll_due(now, w.poll_interval) and "poll" not in self.tasks:
             self.submit(now, "poll", _PollJob(self.probe, w.health_timeout, self.clock,

@@ -223,6 +223,7 @@ def test_a_dead_engine_core_is_seen_before_vllm_says_so() -> None:
     h.step(0.25)
     assert h.sup.state is S.RESTARTING
     assert h.failure.cause.value == "engine_dead" and "EngineCore" in h.failure.detail
+    assert h.log.names().index("engine_died") < h.log.names().index("vllm_failed")
     assert h.sup.next_wakeup(h.clock.t) <= 0.2 or h.sup.state is not S.READY
 
 
