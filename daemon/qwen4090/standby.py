@@ -393,10 +393,7 @@ class Keeper:
         if b.step in ("reference", "drain"):  # it never slept: serving again at once
             self.build = None
             return [Ask("resume", b.outcome or "standby ready")]
-        b.step, b.step_since = "wake", now
-        serving.submit(now, "standby_wake", control_job(serving.probe, "/wake_up",
-                                                        serving.config.restart.wake_timeout))
-        return []
+        return self._wake_after(now, b, serving)
 
     def _serving_step(self, now: float, b: Build, cfg: Config, serving: Run,
                       front: FrontSample | None) -> list[Ask]:
