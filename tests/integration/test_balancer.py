@@ -110,7 +110,13 @@ def render_haproxy(text: str, listen: int, hosts: list[Host], socket_path: Path)
                                        f"{h.status_port}")(next(servers)),
                   text, flags=re.MULTILINE)
     assert next(servers, None) is None, "the example lists fewer servers than the test's hosts"
-    assert len(re.findall(r"^[ \t]*server ", text, flags=re.MULTILINE)) == len(hosts), text
+    last = iter(hosts)  # the same hosts as the last resort (backup, unchecked), in that order
+    text = re.sub(r"^([ \t]*server) (\S+)-last [\d.]+:8000 backup$",
+                  lambda m: (lambda h: f"{m[1]} {h.name}-last 127.0.0.1:{h.port} backup")(
+                      next(last)),
+                  text, flags=re.MULTILINE)
+    assert next(last, None) is None, "the example's last-resort lines are not one per host"
+    assert len(re.findall(r"^[ \t]*server ", text, flags=re.MULTILINE)) == 2 * len(hosts), text
     return text
 
 
@@ -380,6 +386,33 @@ def check_clients(seen: dict[str, Any]) -> None:
         assert s["refused_or_reset"] == 0, (name, s)
         assert s["not_200"] == 0, (name, s)
         assert s["sent_after_fault"] > 0 and s["requests"] > 10, (name, s)
+
+
+def test_no_host_ready_is_served_by_the_last_resort(site: Site) -> None:
+    """Every host unready at once (here: both checked servers put in maintenance, as a second
+    host's DEGRADED moment during the first's restart did in CI): HAProxy sends to the
+    unchecked backup lines, the same hosts, instead of answering its own 503s."""
+    names = [h.name for h in site.hosts]
+    before = stats(site.sock)
+    try:
+        for name in names:
+            api(site.sock, f"set server qwen4090/{name} state maint")
+        for name in names:
+            wait_status(site.sock, name, "MAINT", 10)
+        load = Load(site.haproxy_port, clients=CLIENTS).start()
+        time.sleep(2.0)
+        outcomes = load.finish()
+    finally:
+        for name in names:
+            api(site.sock, f"set server qwen4090/{name} state ready")
+    seen = delta(before, stats(site.sock))
+    statuses = collections.Counter(o.status for o in outcomes)
+    assert outcomes and statuses == {200: len(outcomes)}, (statuses, seen)
+    # answered by the last-resort lines, none by the servers in maintenance
+    assert sum(seen[f"{n}-last"]["stot"] for n in names) >= len(outcomes), seen
+    assert all(seen[n]["stot"] == 0 for n in names), seen
+    for name in names:
+        wait_status(site.sock, name, "UP", 30)
 
 
 def test_engine_sigkill_on_one_host_under_load(site: Site) -> None:

@@ -173,18 +173,23 @@ def test_stopped_engine_core_is_a_hang_and_is_healed(daemon: Daemon) -> None:
     streams = [Stream(port, [500] * 16, 2000, timeout=300) for _ in range(4)]
     for st in streams:
         st.start()
-    # wait until the engine is visibly working on them (/metrics says running: on 2 busy cores
-    # vLLM's API server may hold a stream's first tokens back until its last), then freeze it
+    # wait until the engine is visibly working on them, then freeze it. Two witnesses, either
+    # will do: /metrics says running (on 2 busy cores vLLM's API server may hold a stream's
+    # first tokens back until its last), or an open stream has its first tokens and less than
+    # half of them, so that much work is left when the engine stops (a fresh-
+    # clone CI run read running 0 for all 9 s of four streams after a restart: vLLM's gauges
+    # can lag, as issue 20.5 found; the supervisor counts the front's requests in flight too)
     deadline = time.monotonic() + 60
     running: float | None = None
-    while time.monotonic() < deadline:
+    working = False
+    while time.monotonic() < deadline and not working:
         running = metrics_value(port, "vllm:num_requests_running")
-        if running and running >= 1:
-            break
-        if not any(st.is_alive() for st in streams):
+        working = bool(running and running >= 1) \
+            or any(st.is_alive() and 0 < st.chunks < st.max_tokens // 2 for st in streams)
+        if working or not any(st.is_alive() for st in streams):
             break
         time.sleep(0.05)  # poll interval of a wait bounded by the deadline
-    if not running or running < 1:
+    if not working:
         pytest.fail(f"the long requests never showed up as running (last running={running}); "
                     "the streams got: " + "; ".join(st.outcome() for st in streams)
                     + "\nlast log lines:\n" + "\n".join(daemon.raw[-20:]))
