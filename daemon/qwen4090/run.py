@@ -296,11 +296,17 @@ class Run:
         """
         if self.child.poll() is not None:
             return None
-        v = self.config.vllm
         if owner is None:  # not looked up by the job: now
+            v = self.config.vllm
             owner = ports.owner(self.child, v.host, v.port)
+        return self.stranger(owner)
+
+    def stranger(self, owner: PortOwner) -> str | None:
+        """The holder of vLLM's port when ``owner`` says it is not our child's group (said
+        in the journal once per run), else None."""
         if owner.ours is not False:
             return None
+        v = self.config.vllm
         if not self.stranger_said:
             self.stranger_said = True
             self.log.warning("port_answered_by_stranger", port=f"{v.host}:{v.port}",

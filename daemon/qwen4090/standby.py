@@ -350,8 +350,9 @@ class Keeper:
         timeout = cfg.restart.wake_timeout
         if kind == "health" and self.phase is Phase.LOADING:
             health, owner = result
+            # another program's 200 on the standby's port is not the standby's (journaled)
             if health.ok and run.child.poll() is None \
-                    and (owner is None or owner.ours is not False):
+                    and (owner is None or run.stranger(owner) is None):
                 self.phase, self.since = Phase.CHECKING, now
                 run.submit(now, "check", check_job(run.probe, timeout))
         elif kind == "check" and self.phase is Phase.CHECKING:

@@ -13,6 +13,7 @@ from tests.support.fakes import FakeChild, FakeFront, FakeProbe
 from qwen4090.config import Config
 from qwen4090.contracts import Launch
 from qwen4090.events import EngineMoved, Event, StandbyWoken, Transition
+from qwen4090.instance import PortOwner
 from qwen4090.standby import Phase
 from qwen4090.states import State
 
@@ -332,3 +333,31 @@ def test_a_standby_lost_while_the_gpu_lets_go_means_the_normal_restart() -> None
     gpu.releasing = False
     h.until(lambda: len(h.children) == 3)  # a fresh vLLM, no crash on a missing standby
     assert h.log.named("failover_failed")[-1]["reason"].startswith("the standby was lost")
+
+
+class StrangerOnStandbyPort:
+    """Another program answers on front.engine_port + 1; the serving engine's port is ours."""
+
+    def holder(self, host: str, port: int) -> str | None:
+        return None
+
+    def owner(self, child: Any, host: str, port: int) -> PortOwner:
+        return PortOwner(False, STRANGER) if port == ENGINE + 1 else PortOwner(True)
+
+
+STRANGER = "pid 4242 (python3 -m http.server 18001)"
+
+
+def test_a_stranger_on_the_standby_port_is_never_taken_for_the_standby() -> None:
+    """Its 200s are not our standby's: no standby READY, so a crash is the normal restart."""
+    h = StandbyHarness("awake")
+    h.sup.p.ports = StrangerOnStandbyPort()
+    h.run_until(S.READY)
+    h.until(lambda: len(h.children) == 2)  # the standby was started on the taken port
+    h.step(1.0, 60)
+    assert h.sup.state is S.READY and not h.sup.keeper.ready
+    said = h.log.named("port_answered_by_stranger")
+    assert said and said[0]["holder"] == STRANGER, said
+    h.children[0].exit(1, ["RuntimeError: boom"])
+    h.until(lambda: len(h.children) == 3)  # a fresh vLLM, not a failover to the stranger
+    assert h.sup.keeper.failovers == 0 and h.moved() == []
