@@ -121,7 +121,10 @@ def test_ready_with_the_longest_step_logged_and_stored(daemon: Daemon) -> None:
     assert warm["longest_step_seconds"] > 0, warm
     stored = json.loads((daemon.tmp / "state" / "longest_step.json").read_text())
     assert stored["prompt_tokens"] == 2044
-    assert round(stored["seconds"], 3) == warm["longest_step_seconds"]
+    # the same step: stored to 4 decimals, logged to 3 (rounding twice may differ by 0.001:
+    # 0.69649 logged 0.696, stored 0.6965, which rounds to 0.697; seen in CI)
+    assert abs(stored["seconds"] - warm["longest_step_seconds"]) <= 0.0005 + 1e-9, \
+        (stored, warm)
     record("longest_step_wider_dummy_cpu", stored["seconds"], tokens=2044)
 
 
