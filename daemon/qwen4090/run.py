@@ -321,12 +321,9 @@ class Run:
         """One serving step: send the poll and the canary when due, judge the ones in flight."""
         out = _Verdicts(state)
         if (gone := self.child.engine_gone()) is not None and self.child.poll() is None:
-            # before vLLM's own line (seconds later on the H200): the restart, or the standby;
-            # said as the supervisor says vLLM's own word (Supervisor.handle_engine_deaths)
-            verdict = ExitVerdict(Cause.ENGINE_DEAD, f"vLLM's EngineCore died: {gone}", True)
-            self.log.warning("engine_died", pid=self.child.pid, cause=verdict.cause.value,
-                             detail=verdict.detail)
-            out.fail(verdict)
+            # before vLLM's own line (seconds later on the H200): the restart, or the standby
+            out.fail(self.said_dead(ExitVerdict(Cause.ENGINE_DEAD,
+                                                f"vLLM's EngineCore died: {gone}", True)))
             return out.out
         if self.serving.poll_due(now, w.poll_interval) and "poll" not in self.tasks:
             self.submit(now, "poll", _PollJob(self.probe, w.health_timeout, self.clock,
@@ -507,7 +504,14 @@ class Run:
         return failure is None or self.exit_rc is not None or failure.cause is Cause.ENGINE_DEAD
 
     def engine_died(self, line: str) -> ExitVerdict:
-        return engine_dead_verdict(self.child.tail_lines(), line)
+        """vLLM said its engine died (``line``): the verdict, said in the journal."""
+        return self.said_dead(engine_dead_verdict(self.child.tail_lines(), line))
+
+    def said_dead(self, verdict: ExitVerdict) -> ExitVerdict:
+        """One journal line for an engine death, whoever saw it first (vLLM's line, /proc)."""
+        self.log.warning("engine_died", pid=self.child.pid, cause=verdict.cause.value,
+                         detail=verdict.detail)
+        return verdict
 
     # --- stopping the group ----------------------------------------------------------------
 

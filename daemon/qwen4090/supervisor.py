@@ -359,10 +359,7 @@ class Supervisor:
             run = self.run
             if run is None or child is not run.child or self.state not in states.CHILD_STATES:
                 continue  # an old child's late line, or a stop/restart under way already
-            verdict = run.engine_died(line)
-            self.log.warning("engine_died", pid=run.child.pid, cause=verdict.cause.value,
-                             detail=verdict.detail)
-            self.fail(now, verdict)
+            self.fail(now, run.engine_died(line))
 
     def heartbeat(self, now: float) -> None:
         n = self.p.notifier

@@ -20,7 +20,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +96,16 @@ def sub(pattern: str, repl: str, text: str, count: int = 1) -> str:
     return out
 
 
+def each_host(pattern: str, text: str, hosts: list[Host], line: Callable[[str, Host], str]
+              ) -> str:
+    """The example's lines matching ``pattern`` (group 1: up to the address), one per host in
+    the order of ``hosts``, each rewritten by ``line``."""
+    left = iter(hosts)
+    text = re.sub(pattern, lambda m: line(m[1], next(left)), text, flags=re.MULTILINE)
+    assert next(left, None) is None, f"the example has fewer lines {pattern!r} than hosts"
+    return text
+
+
 def render_haproxy(text: str, listen: int, hosts: list[Host], socket_path: Path) -> str:
     """The example for this machine: bound on 127.0.0.1:``listen``, the hosts' addresses and
     status ports, the runtime API in our tmp, the log on stdout; chroot, user and daemon left
@@ -104,18 +114,11 @@ def render_haproxy(text: str, listen: int, hosts: list[Host], socket_path: Path)
     text = sub(r"^[ \t]*(chroot|user|group|daemon)\b.*\n", "", text, count=4)
     text = sub(r"^([ \t]*stats socket) \S+ .*$", rf"\1 {socket_path} mode 600 level admin", text)
     text = sub(r"^([ \t]*bind) :8000$", rf"\1 127.0.0.1:{listen}", text)
-    servers = iter(hosts)
-    text = re.sub(r"^([ \t]*server) (\S+) [\d.]+:8000 check port 8090$",
-                  lambda m: (lambda h: f"{m[1]} {h.name} 127.0.0.1:{h.port} check port "
-                                       f"{h.status_port}")(next(servers)),
-                  text, flags=re.MULTILINE)
-    assert next(servers, None) is None, "the example lists fewer servers than the test's hosts"
-    last = iter(hosts)  # the same hosts as the last resort (backup, unchecked), in that order
-    text = re.sub(r"^([ \t]*server) (\S+)-last [\d.]+:8000 backup$",
-                  lambda m: (lambda h: f"{m[1]} {h.name}-last 127.0.0.1:{h.port} backup")(
-                      next(last)),
-                  text, flags=re.MULTILINE)
-    assert next(last, None) is None, "the example's last-resort lines are not one per host"
+    text = each_host(r"^([ \t]*server) \S+ [\d.]+:8000 check port 8090$", text, hosts,
+                     lambda s, h: f"{s} {h.name} 127.0.0.1:{h.port} check port {h.status_port}")
+    # the same hosts again as the last resort (backup, unchecked)
+    text = each_host(r"^([ \t]*server) \S+-last [\d.]+:8000 backup$", text, hosts,
+                     lambda s, h: f"{s} {h.name}-last 127.0.0.1:{h.port} backup")
     assert len(re.findall(r"^[ \t]*server ", text, flags=re.MULTILINE)) == 2 * len(hosts), text
     return text
 
@@ -125,11 +128,8 @@ def render_nginx(text: str, listen: int, hosts: list[Host], access_log: Path) ->
     the hosts' client ports, the access log in our tmp."""
     text = sub(r"^([ \t]*listen) 8000;$", rf"\1 127.0.0.1:{listen};", text)
     text = sub(r"^([ \t]*access_log) \S+ ", rf"\1 {access_log} ", text)
-    servers = iter(hosts)
-    text = re.sub(r"^([ \t]*server) [\d.]+:8000 ",
-                  lambda m: f"{m[1]} 127.0.0.1:{next(servers).port} ", text, flags=re.MULTILINE)
-    assert next(servers, None) is None, "the example lists fewer servers than the test's hosts"
-    return text
+    return each_host(r"^([ \t]*server) [\d.]+:8000 ", text, hosts,
+                     lambda s, h: f"{s} 127.0.0.1:{h.port} ")
 
 
 def nginx_main(d: Path, snippet: Path) -> str:

@@ -335,6 +335,9 @@ def test_a_standby_lost_while_the_gpu_lets_go_means_the_normal_restart() -> None
     assert h.log.named("failover_failed")[-1]["reason"].startswith("the standby was lost")
 
 
+STRANGER = "pid 4242 (python3 -m http.server 18001)"
+
+
 class StrangerOnStandbyPort:
     """Another program answers on front.engine_port + 1; the serving engine's port is ours."""
 
@@ -344,8 +347,6 @@ class StrangerOnStandbyPort:
     def owner(self, child: Any, host: str, port: int) -> PortOwner:
         return PortOwner(False, STRANGER) if port == ENGINE + 1 else PortOwner(True)
 
-
-STRANGER = "pid 4242 (python3 -m http.server 18001)"
 
 
 def test_a_stranger_on_the_standby_port_is_never_taken_for_the_standby() -> None:
