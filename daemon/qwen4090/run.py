@@ -274,7 +274,13 @@ class Run:
             self.check_hang_timeout(cfg)
 
     def became_ready(self, now: float) -> None:
+        """The watch starts over: a stall timed before READY (a start, a sleep) is not this
+        serving's, and a first sample is taken at once, so that a hang in the first
+        poll_interval is dated from its last progress (H200: a SIGSTOP 0.3 s after a rebuild's
+        READY, with no sample since, was timed from the first poll, 1.7 s late)."""
+        self.serving.hang.reset()
         self.serving.last_poll = now
+        self.serving.ask()
         self.serving.last_canary = now
         self.serving.unhealthy_since = None
 

@@ -25,7 +25,7 @@
 # weights, its sleep): REPEAT=5 is ~15 min of faults after a ~4 min start; REPEAT=3 fits a
 # 30-minute device session beside the kit's install, checkpoint and probe.
 # Results: $OUT/checkpoint.json, $OUT/sleep-probe.json (+ .log), $OUT/failover-h200.json,
-# $OUT/failover-bench.txt, $OUT/failover-daemon.log.gz.
+# $OUT/failover-bench.txt, $OUT/failover-daemon.log.gz, $OUT/failover-rss.log (host RSS > 1 GiB, 20 s).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 stage=${1:?usage: standby.sh checkpoint|probe|faults|stop}
@@ -45,6 +45,7 @@ gpu() { nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader 2>
 collect() {  # what the faults run has so far, into this call's $OUT
   cp "$W/bench.out" "$OUT/failover-bench.txt" 2>/dev/null
   cp "$W/failover-h200.json" "$OUT/" 2>/dev/null
+  cp "$W/rss.log" "$OUT/failover-rss.log" 2>/dev/null
   [ -f "$W/daemon.log" ] && gzip -c "$W/daemon.log" > "$OUT/failover-daemon.log.gz"
 }
 if running && [ "$stage" != faults ] && [ "$stage" != stop ]; then
@@ -79,7 +80,7 @@ probe)
 faults)
   if ! running; then
     [ -f "$MODEL/model.safetensors.index.json" ] || { echo "no checkpoint in $MODEL: run the checkpoint stage first"; exit 1; }
-    rm -f "$W/bench.rc" "$W/failover-h200.json" "$W/daemon.log"
+    rm -f "$W/bench.rc" "$W/failover-h200.json" "$W/daemon.log" "$W/rss.log"
     sets=(--set 'restart.standby="sleep"' --set 'vllm.extra_args=[]' --set 'watch.hang_timeout=15')
     for s in ${SETS:-}; do sets+=(--set "$s"); done
     rm -f "$W/bench.pid"
@@ -95,8 +96,12 @@ faults)
     for _ in $(seq 20); do [ -s "$W/bench.pid" ] && break; sleep 0.5; done
   fi
   seen=0
-  for _ in $(seq "$WAIT"); do
+  for i in $(seq "$WAIT"); do
     running || break
+    # host memory of both engines (the sleeping one holds its weights pinned): every 20 s
+    if [ $((i % 20)) = 1 ]; then
+      { date +%T; ps -eo pid,pgid,rss,args --sort=-rss | awk 'NR == 1 || $3 > 1048576' | cut -c1-160; } >> "$W/rss.log"
+    fi
     n=$(wc -l < "$W/bench.out")
     if [ "$n" -gt "$seen" ]; then sed -n "$((seen + 1)),${n}p" "$W/bench.out" | cut -c1-400; seen=$n; fi
     sleep 1

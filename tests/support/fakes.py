@@ -115,11 +115,12 @@ class FakeFront:
         self.holding = 0
         self.unanswered = 0
         self.bytes = 0
+        self.last_byte_at: float | None = None  # when the last of those bytes came in
         self.draining = True  # front.drain() took effect (it does so on the front's own loop)
 
     def sample(self) -> FrontSample:
         return FrontSample(self.in_flight, self.holding, self.unanswered, 0.0, self.bytes,
-                           True, self.draining)
+                           True, self.draining, self.last_byte_at)
 
 
 class FakeProbe:

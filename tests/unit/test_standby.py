@@ -267,6 +267,26 @@ def test_a_hang_is_dated_from_the_fronts_last_answer_byte() -> None:
     assert h2.deadline() == 117.0
 
 
+def test_a_hang_right_after_ready_is_dated_from_the_last_byte_not_the_first_poll() -> None:
+    """READY starts the watch over with a sample at once: a hang in the first poll interval
+    after READY is timed from the front's last byte (H200, the first fault of a run: READY,
+    the rebuild began before any poll, and the SIGSTOP 0.3 s after the wake was detected 1.7 s
+    late, 16.7 s after the fault with hang_timeout 15)."""
+    h = StandbyHarness("sleep", {"restart": {"standby_quiet": 0.1},
+                                 "watch": {"poll_interval": 4.0, "hang_timeout": 10.0,
+                                           "unhealthy_timeout": 8.0, "canary_interval": 0.0}})
+    h.run_until(S.READY)  # the fakes build the standby in that step: no poll before it
+    seen = [(t.src, t.dst) for t in h.events if isinstance(t, Transition)]
+    assert seen[-2:] == [(S.READY, S.REBUILDING), (S.REBUILDING, S.READY)]
+    h.step(0.25, 2)
+    serving = h.probe_of(ENGINE)
+    h.front.in_flight, serving.running = 2, 2.0  # clients' answers come, then the engine stops
+    h.front.bytes, h.front.last_byte_at = h.front.bytes + 500, h.clock.t
+    fault = h.clock.t
+    h.until(lambda: h.sup.state is S.RESTARTING, dt=0.05)
+    assert h.clock.t - fault < 10.0 + 0.3  # not hang_timeout after a poll up to 4 s later
+
+
 def test_a_takeover_of_a_hang_does_not_wait_for_vllms_last_lines() -> None:
     h = StandbyHarness("sleep")
     h.standby_ready()

@@ -268,8 +268,10 @@ def test_a_wedged_engine_whose_gauges_read_zero_is_a_hang_by_the_fronts_count() 
     front = FakeFront()
     h = Harness({"watch": {"canary_interval": 0.0}}, front=front)
     h.run_until(State.READY)
-    front.in_flight, front.bytes = 3, 500
-    h.step(1.0, n=3)
+    front.in_flight = 3
+    for _ in range(3):
+        front.bytes += 500
+        h.step(1.0)
     assert h.sup.state is State.READY  # bytes flowing: not stalled
     start = h.clock.t
     h.run_until(State.RESTARTING, dt=0.25, limit=100)  # bytes and tokens frozen from here
