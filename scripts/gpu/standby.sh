@@ -100,7 +100,13 @@ faults)
     running || break
     # host memory of both engines (the sleeping one holds its weights pinned): every 20 s
     if [ $((i % 20)) = 1 ]; then
-      { date +%T; ps -eo pid,pgid,rss,args --sort=-rss | awk 'NR == 1 || $3 > 1048576' | cut -c1-160; } >> "$W/rss.log"
+      { date +%T
+        for p in $(ps -eo pid=,rss= | awk '$2 > 1048576 {print $1}'); do  # anon vs file: the
+          # real loader's mmap of the checkpoint counts in RSS too
+          printf '%s pgid=%s %s %s\n' "$p" "$(ps -o pgid= -p "$p" | tr -d ' ')" \
+            "$(grep -E '^(RssAnon|RssFile|RssShmem|VmPin)' "/proc/$p/status" 2>/dev/null | tr -s ' \t\n' ' ')" \
+            "$(tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null | cut -c1-80)"
+        done; } >> "$W/rss.log"
     fi
     n=$(wc -l < "$W/bench.out")
     if [ "$n" -gt "$seen" ]; then sed -n "$((seen + 1)),${n}p" "$W/bench.out" | cut -c1-400; seen=$n; fi
