@@ -40,7 +40,8 @@ shellcheck -S warning -x "${shell_scripts[@]}"
 
 step "unit + integration tests"
 rc=0
-.venv/bin/pytest tests -m "not gpu and not system" -p no:cacheprovider || rc=$?
+# --durations: the slowest tests in the log (CI must stay well under 60 minutes on 2 cores)
+.venv/bin/pytest tests -m "not gpu and not system" -p no:cacheprovider --durations=25 || rc=$?
 
 if [ "${QWEN4090_SKIP_SYSTEM:-0}" != 1 ] && [ -f scripts/system-test.sh ]; then
   step "system test (.deb under systemd-nspawn)"

@@ -109,7 +109,9 @@ faults)
         done; } >> "$W/rss.log"
     fi
     n=$(wc -l < "$W/bench.out")
-    if [ "$n" -gt "$seen" ]; then sed -n "$((seen + 1)),${n}p" "$W/bench.out" | cut -c1-400; seen=$n; fi
+    if [ "$n" -gt "$seen" ]; then  # collected at once: a call cut short keeps what was seen
+      sed -n "$((seen + 1)),${n}p" "$W/bench.out" | cut -c1-400; seen=$n; collect
+    fi
     sleep 1
   done
   collect
