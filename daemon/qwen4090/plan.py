@@ -38,8 +38,10 @@ The standby (``restart.standby``, issue 21) is a second engine of the same setti
 serving one.  vLLM starts only when the GPU's free memory is at least its budget, and the
 serving engine's peak (budget + outside) must fit beside what the standby holds:
 - "sleep": a sleeping engine keeps SLEEP_GPU_KEEP_BYTES on each GPU and pins its weights in host
-  memory; both engines' processes take host memory too (ENGINE_HOST_BYTES each).  The GPU side
-  is judged here (pure); the host side by :func:`judge_host`, on :func:`host_memory`'s reading.
+  memory (PINNED_HOST_FACTOR times their size); the serving engine sleeps for each rebuild of the
+  standby and keeps that memory once awake, so both engines hold it, and their processes take
+  ENGINE_HOST_BYTES each.  The GPU side is judged here (pure); the host side by
+  :func:`judge_host`, on :func:`host_memory`'s reading.
 - "awake": a second full engine: twice the peak on each GPU.
 """
 
@@ -70,12 +72,15 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # H200 (Qwen3-14B fp8, vLLM 0.26, issue 21); we plan 1.0 GiB.
 SLEEP_GPU_KEEP_GIB = 1.0
 SLEEP_GPU_KEEP_BYTES = int(SLEEP_GPU_KEEP_GIB * GIB)
-# A vLLM engine's host memory besides pinned weights (its processes' RSS): the sleeping engine of
-# that measurement held 26.6 GB in all, 15.9 GiB of it the pinned weights: ~8.8 GiB the rest.
-ENGINE_HOST_BYTES = int(8.8 * GIB)
-# Not measured yet: an engine that has slept once may keep its pinned buffers while awake
-# (PyTorch caches pinned host memory: the first sleep took 18 s to pin 15.9 GiB, the later ones
-# 0.37 s), and the serving engine sleeps for each rebuild: then both engines hold the weights.
+# The host memory a sleeping engine pins, per byte of weights it backs up: measured on the H200
+# (Qwen3-14B fp8, vLLM 0.26, docs/gpu-runs/2026-12-02-standby-hang/failover-rss.log) the
+# EngineCore's RssShmem was 22.83 GiB for vLLM's "15.91 GiB is backed up in CPU" (1.44x; PyTorch's
+# pinned host allocator rounding its blocks up, we think, not checked); we plan 1.5x.  An engine
+# keeps it once woken, and the serving engine sleeps for each rebuild: both engines hold it.
+PINNED_HOST_FACTOR = 1.5
+# A vLLM engine's processes besides that (RSS, same measurement): the EngineCore 1.4-1.5 GiB of
+# anonymous memory + 0.2-0.3 GiB of files, the API server 1.0 + 0.4: ~2.9 GiB; we plan 3.0 GiB.
+ENGINE_HOST_BYTES = int(3.0 * GIB)
 
 
 class PlanError(Exception):
@@ -202,9 +207,8 @@ class StandbyAccount:
     peak_bytes: int  # the serving engine's peak + the standby, on each GPU
     max_utilization: float | None = None  # the highest gpu_memory_utilization that fits, if any
     kv_tokens_at_max: int | None = None  # the serving engine's KV tokens there
-    host_pinned_bytes: int = 0  # sleep: its weights, pinned in host memory while asleep
-    host_bytes: int = 0  # both engines' host memory: the standby's pinned weights + processes
-    host_peak_bytes: int = 0  # ... and the serving engine's pinned weights too, after a rebuild
+    host_pinned_bytes: int = 0  # sleep: what each engine pins in host memory for its weights
+    host_bytes: int = 0  # both engines' host memory: both pinned (each has slept) + processes
     host: HostMemory | None = None  # the host, once judge_host has seen it
     host_note: str = ""  # why the host was not judged
 
@@ -218,7 +222,6 @@ class StandbyAccount:
                 "max_gpu_memory_utilization": self.max_utilization,
                 "kv_tokens_at_max": self.kv_tokens_at_max,
                 "host_pinned_bytes": self.host_pinned_bytes, "host_bytes": self.host_bytes,
-                "host_peak_bytes": self.host_peak_bytes,
                 "host_total_bytes": None if self.host is None else self.host.total_bytes,
                 "host_available_bytes": None if self.host is None
                 else self.host.available_bytes,
@@ -492,10 +495,9 @@ def _judge_standby(plan: Plan, cfg: Config) -> None:
         held = SLEEP_GPU_KEEP_BYTES
         note = "a sleeping engine keeps it on each GPU (0.84 GiB measured: H200, Qwen3-14B fp8)"
         most = (total - outside - held) / total
-        pinned = plan.weights_bytes * plan.tensor_parallel_size
+        pinned = int(plan.weights_bytes * plan.tensor_parallel_size * PINNED_HOST_FACTOR)
         acc = StandbyAccount(mode, held, note, peak + held, host_pinned_bytes=pinned,
-                             host_bytes=pinned + 2 * ENGINE_HOST_BYTES,
-                             host_peak_bytes=2 * pinned + 2 * ENGINE_HOST_BYTES)
+                             host_bytes=2 * (pinned + ENGINE_HOST_BYTES))
     else:
         held = peak
         note = "an awake engine: a second budget and what vLLM uses outside it"
@@ -532,12 +534,12 @@ def _judge_standby(plan: Plan, cfg: Config) -> None:
 
 
 def judge_host(plan: Plan, host: HostMemory | str) -> None:
-    """The host's side of a sleeping standby.  Both engines' host memory (the standby's weights
-    pinned + each engine's processes) above the machine's RAM is a problem: it can never fit.
-    Above what is available now, or with the serving engine's weights pinned too (after a
-    rebuild; not measured yet) above it, a warning: memory may come back, and the standby is
-    not what serves.  What this process's own engines hold counts as available: they are the
-    ones.  Once per plan."""
+    """The host's side of a sleeping standby.  Both engines' host memory (each one's pinned
+    weights: the serving engine sleeps for each rebuild and keeps them, measured on the H200;
+    + each engine's processes) above the machine's RAM is a problem: it can never fit.  Above
+    what is available now, a warning: memory may come back, and the standby is not what serves.
+    What this process's own engines hold counts as available: they are the ones.  Once per
+    plan."""
     acc = plan.standby
     if acc is None or acc.mode != "sleep" or acc.host is not None or acc.host_note:
         return
@@ -548,23 +550,20 @@ def judge_host(plan: Plan, host: HostMemory | str) -> None:
     acc.host = host
     g = gib
     need = acc.host_bytes
-    what = (f"{g(acc.host_pinned_bytes)} of weights pinned while the standby sleeps + "
-            f"~{g(ENGINE_HOST_BYTES)} for each engine's processes")
+    what = (f"{g(acc.host_pinned_bytes)} pinned for its weights by each engine once it has "
+            f"slept + ~{g(ENGINE_HOST_BYTES)} for each engine's processes")
     if need > host.total_bytes:
         plan.problems.append((
             "restart.standby",
             f"found \"sleep\": the two engines need about {g(need)} of host memory ({what}), "
             f"more than this machine's {g(host.total_bytes)}; expected restart.standby = "
             "\"off\" (or more RAM)"))
-    elif acc.host_peak_bytes > host.room_bytes:
+    elif need > host.room_bytes:
         ours = f" (with {g(host.ours_bytes)} qwen4090's engines hold)" if host.ours_bytes else ""
-        now = (f"the two engines need about {g(need)} of host memory ({what})"
-               if need > host.room_bytes else
-               f"the two engines may need up to {g(acc.host_peak_bytes)} of host memory once "
-               "the serving engine has slept for a rebuild (both keep their weights pinned)")
         plan.warnings.append(
-            f"restart.standby = \"sleep\": {now}; {g(host.room_bytes)} is available "
-            f"now{ours}: a standby may fail to sleep, or the host swap")
+            f"restart.standby = \"sleep\": the two engines need about {g(need)} of host "
+            f"memory ({what}); {g(host.room_bytes)} is available now{ours}: a standby may fail "
+            "to sleep, or the host swap")
 
 
 def host_memory() -> HostMemory | str:
@@ -690,17 +689,16 @@ def _render_standby(plan: Plan, acc: StandbyAccount, row: Any, lines: list[str])
     row("= peak with the standby", g(acc.peak_bytes),
         f"of the GPU's {g(plan.gpu.total_bytes)}: {verdict}")
     if acc.mode == "sleep":
-        row("host: pinned weights", g(acc.host_pinned_bytes),
-            "the standby's weights, in host memory while it sleeps")
+        row("host: pinned, each engine", g(acc.host_pinned_bytes),
+            f"its weights ({g(plan.weights_bytes * plan.tensor_parallel_size)}) in pinned "
+            f"blocks, ~{PINNED_HOST_FACTOR:g}x: kept once it has slept")
         h = acc.host
         now = (f"; {g(h.total_bytes)} of RAM, {g(h.room_bytes)} available now"
                + (f" (with {g(h.ours_bytes)} qwen4090's engines hold)" if h.ours_bytes else "")
                if h is not None else f"; host not read: {acc.host_note}" if acc.host_note
                else "")
         row("host: both engines", g(acc.host_bytes),
-            f"pinned + ~{g(ENGINE_HOST_BYTES)} each for their processes{now}")
-        row("host: after a rebuild", g(acc.host_peak_bytes),
-            "if the serving engine keeps its weights pinned after its sleep (not measured)")
+            f"both pinned + ~{g(ENGINE_HOST_BYTES)} each for their processes{now}")
     lines.append("")
 
 
