@@ -18,7 +18,8 @@
 #                                           call copies the JSON so far and the logs to $OUT
 #                                           (~15-20 min in all: 2-3 calls)
 #   bash scripts/gpu/standby.sh stop        stop a faults run (the bench, then its daemon)
-# Env: OUT, QWEN4090_GPU_MODEL (the model directory), REPEAT (5), FAULTS (kill-engine,hang),
+# Env: OUT, QWEN4090_GPU_MODEL (the model directory), LOAD (checkpoint; dummy: the lab's
+# --load-format dummy, no checkpoint stage), REPEAT (5), FAULTS (kill-engine,hang),
 # SETS (more --set SECTION.KEY=JSON for the daemon, space-separated), WAIT (500 s), BUDGET
 # (seconds for the faults: no repeat starts that would likely pass it; 0 = none). Each repeat
 # is ~1.5 min on the H200 (failover, restart.standby_quiet 10 s, a standby's start with real
@@ -79,9 +80,14 @@ probe)
   ;;
 faults)
   if ! running; then
-    [ -f "$MODEL/model.safetensors.index.json" ] || { echo "no checkpoint in $MODEL: run the checkpoint stage first"; exit 1; }
+    sets=(--set 'restart.standby="sleep"' --set 'watch.hang_timeout=15')
+    if [ "${LOAD:-checkpoint}" = dummy ]; then  # the lab's --load-format dummy: no checkpoint stage
+      echo "LOAD=dummy: weights by --load-format dummy"
+    else
+      [ -f "$MODEL/model.safetensors.index.json" ] || { echo "no checkpoint in $MODEL: run the checkpoint stage first (or LOAD=dummy)"; exit 1; }
+      sets+=(--set 'vllm.extra_args=[]')
+    fi
     rm -f "$W/bench.rc" "$W/failover-h200.json" "$W/daemon.log" "$W/rss.log"
-    sets=(--set 'restart.standby="sleep"' --set 'vllm.extra_args=[]' --set 'watch.hang_timeout=15')
     for s in ${SETS:-}; do sets+=(--set "$s"); done
     rm -f "$W/bench.pid"
     {  # the bench's own pid in bench.pid (stop signals it: it stops its daemon), its rc after
