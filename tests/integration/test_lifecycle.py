@@ -228,7 +228,8 @@ def test_sigterm_drains_eight_streams_then_stops_leaving_nothing(daemon: Daemon)
     daemon.descendants()
     assert daemon.pids_seen
     # 8 streams (max_num_seqs) of 2000 tokens each: ~9-10 s of work when SIGTERM arrives.
-    streams = start_streams(port, 400)
+    streams = start_streams(port, 400, context=lambda: (
+        f"\nstate {daemon.state()}; last log lines:\n" + "\n".join(daemon.raw[-40:])))
     assert all(st.chunks for st in streams), [st.outcome() for st in streams]
     mark, t0, t_exit = sigterm_while_streaming(daemon, streams,
                                                DRAIN_TIMEOUT + TERM_TIMEOUT + 30, join=10)

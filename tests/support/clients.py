@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tests.support.daemon import DAEMON_SRC, Daemon
@@ -99,15 +100,17 @@ def metrics_value(port: int, name: str, timeout: float = 5.0) -> float | None:
     return total
 
 
-def start_streams(port: int, first_token: int, n: int = 8, max_tokens: int = 2000
-                  ) -> list[Stream]:
+def start_streams(port: int, first_token: int, n: int = 8, max_tokens: int = 2000,
+                  context: Callable[[], str] = lambda: "") -> list[Stream]:
     """``n`` streams of ``max_tokens`` each (prompt: 16 x one token id, a different one per
-    stream), each past its first token."""
+    stream), each past its first token.  ``context`` says more when one never starts (a CI run
+    had one stream without a first token for 60 s, and nothing to tell why)."""
     streams = [Stream(port, [first_token + i] * 16, max_tokens, timeout=120) for i in range(n)]
     for st in streams:
         st.start()
     for st in streams:
-        assert st.started.wait(60), st.outcome()
+        assert st.started.wait(60), (f"{st.outcome()}; all: "
+                                     + "; ".join(s.outcome() for s in streams) + context())
     return streams
 
 
