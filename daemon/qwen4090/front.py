@@ -10,6 +10,12 @@ proxy is what a restart of vLLM needs:
 - **replay**: a request whose engine failed before any byte of its answer reached the client
   (connection refused or cut, or vLLM's own 5xx while the supervisor declares the engine dead)
   is sent once more, to the next engine;
+- **retry**: a request whose connection failed before vLLM answered anything, on an engine
+  nobody declared dead, is sent again on a new connection to the same engine (at once, then
+  each time after REPLAY_GRACE without a death verdict), up to ``front.hold_timeout``: the
+  connection may be one vLLM's server closed for idling just as the request went out
+  (uvicorn's keep-alive timeout), or a connect that timed out on a machine too busy; an engine
+  that really died is declared so within the grace, and the request is replayed on the next;
 - **a started stream never ends silently**: when the engine dies mid-stream, the client gets an
   OpenAI-style error event (``data: {"error": ...}``);
 - **exact counts**: requests in flight (the drain waits for them), held, and sent to the engine
@@ -71,7 +77,14 @@ STREAM_ERROR = b'data: {"error"'  # an OpenAI-style error event in a stream
 # vLLM's own end of a request it aborted (its shutdown at a restart; a client that left never
 # gets here): the stream then ends with [DONE], as a good one does
 ABORTED = (b'"finish_reason":"abort"', b'"finish_reason": "abort"')
-CONNECT_TIMEOUT = 5.0
+# vLLM is on loopback: a dead one refuses at once, a stopped one's kernel still takes the
+# connection; a connect this slow means a machine too busy (seen on 2 cores), and is retried
+CONNECT_TIMEOUT = 10.0
+# How long an idle connection to vLLM is reused: below its server's keep-alive timeout
+# (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default), so the front does not send a request on a
+# connection the server is closing at that moment (a fresh-clone CI run had one such request
+# held for a next engine that never came; the retry covers a server set lower still).
+KEEPALIVE = 2.0
 
 
 @dataclass(frozen=True)
@@ -96,10 +109,12 @@ class Totals:
     requests: int = 0
     held: int = 0  # requests that waited for an engine
     replayed: int = 0  # requests sent a second time after their engine failed
+    retried: int = 0  # sends again to the same engine: the connection failed unanswered
     hold_timeouts: int = 0  # 503: no engine within hold_timeout
     refused: int = 0  # 503: draining, or the daemon gave up
     stream_errors: int = 0  # started streams that ended with an error event (vLLM's or ours)
-    failed: int = 0  # answered with an error by the front (the replay failed too)
+    failed: int = 0  # answered with an error by the front (the replay failed too, or the
+    #                  engine could not be reached while the request could wait)
     queue_seconds: float = 0.0  # time requests spent held, in all
     queue_buckets: list[int] = field(default_factory=lambda: [0] * len(QUEUE_BUCKETS))
 
@@ -128,6 +143,12 @@ class ClientGone(Exception):
 
 class EngineFailed(Exception):
     """The engine failed before any byte of the answer reached the client: replayable."""
+
+
+class NoAnswer(EngineFailed):
+    """... and the connection failed before any answer came: refused, reset, timed out, or
+    closed by the server (a dead engine; or an idle connection its server closed as the request
+    went out, or a starved machine, on a live one)."""
 
 
 class Front:
@@ -163,6 +184,7 @@ class Front:
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.AbstractServer | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None  # a new connection for each request
 
     # --- life --------------------------------------------------------------------------------
 
@@ -213,10 +235,13 @@ class Front:
 
     async def _start(self) -> None:
         self._changed = asyncio.Condition()
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT),
-            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        def session(**connector: Any) -> aiohttp.ClientSession:
+            return aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, **connector),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT),
+                auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        self._session = session(keepalive_timeout=KEEPALIVE)
+        self._fresh = session(force_close=True)  # for the retry: never a pooled connection
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._handle)
         kwargs: dict[str, Any] = {"access_log": None}
@@ -240,8 +265,9 @@ class Front:
             if self._runner.server is not None:
                 await self._runner.server.shutdown(1.0)  # what is still open ends now
             await self._runner.cleanup()
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
 
     # --- steering (from the supervisor's thread) ---------------------------------------------
 
@@ -358,17 +384,39 @@ class Front:
                        ) -> web.StreamResponse:
         deadline = arrived + self.hold_timeout
         after = 0  # an engine newer than this one (after a failure: the next engine)
-        for attempt in (1, 2):
+        fresh = False  # the last send's connection failed unanswered: a new one
+        attempt = 1
+        while True:
             gen = await self._wait_for_engine(rid, arrived, deadline, after)
             if gen is None:
                 return self._hold_timeout(request, arrived)
             if gen < 0:
                 return self._refuse(request)
             try:
-                return await self._send(request, rid, gen, body)
+                return await self._send(request, rid, gen, body, fresh=fresh)
             except EngineFailed as e:
                 with self._lock:
                     self._unanswered.pop(rid, None)
+                if (isinstance(e, NoAnswer) and self._refusing is None and not
+                        await self._engine_declared_dead(gen, REPLAY_GRACE if fresh else 0.0)):
+                    # Nobody says this engine died, its connection did: one its server closed
+                    # for idling as the request went out, or a connect that timed out on a
+                    # machine too busy to answer.  The same engine again on a new connection,
+                    # at once the first time, then after a death verdict's grace, as long as
+                    # the request may wait (a dead engine's verdict comes within the grace).
+                    if self.clock() >= deadline:
+                        with self._lock:
+                            self.totals.failed += 1
+                        return _error(503, f"vLLM could not be reached for "
+                                           f"{self.clock() - arrived:.0f}s (front.hold_timeout"
+                                           f" = {self.hold_timeout:g}s): {e}",
+                                      "engine_unavailable", retry_after=True)
+                    fresh, after = True, gen - 1  # this engine (or a newer one)
+                    with self._lock:
+                        self.totals.retried += 1
+                    self.log.debug("front_retry", error=str(e))
+                    continue
+                fresh = False
                 if attempt == 2 or self._refusing is not None:
                     with self._lock:
                         self.totals.failed += 1
@@ -380,10 +428,9 @@ class Front:
                     self.totals.replayed += 1
                 if self._burst is not None:
                     self._burst.replayed += 1
-                after = gen
+                after, attempt = gen, 2
                 arrived = self.clock()  # the replay waits for the next engine afresh
                 deadline = arrived + self.hold_timeout
-        raise AssertionError("unreachable")
 
     async def _wait_for_engine(self, rid: int, arrived: float, deadline: float, after: int
                                ) -> int | None:
@@ -424,18 +471,19 @@ class Front:
             if self._burst is not None:
                 self._burst.longest_wait = max(self._burst.longest_wait, waited)
 
-    async def _send(self, request: web.Request, rid: int, gen: int, body: bytes
-                    ) -> web.StreamResponse:
-        assert self._session is not None
+    async def _send(self, request: web.Request, rid: int, gen: int, body: bytes,
+                    fresh: bool = False) -> web.StreamResponse:
+        session = self._fresh if fresh else self._session
+        assert session is not None
         url = f"http://{_host_port(*self.engine)}{request.rel_url}"
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         with self._lock:
             self._unanswered[rid] = self.clock()
         try:
-            upstream = await self._session.request(request.method, url, headers=headers,
-                                                   data=body, allow_redirects=False)
+            upstream = await session.request(request.method, url, headers=headers,
+                                             data=body, allow_redirects=False)
         except (aiohttp.ClientConnectionError, OSError) as e:
-            raise EngineFailed(_what(e)) from e
+            raise NoAnswer(_what(e)) from e
         async with upstream:
             if upstream.status >= 500 and await self._engine_declared_dead(gen):
                 raise EngineFailed(f"vLLM answered {upstream.status} as its engine died")
@@ -507,10 +555,11 @@ class Front:
             await resp.write_eof()
         return resp
 
-    async def _engine_declared_dead(self, gen: int) -> bool:
-        """An error answer of ``gen``: is that engine being restarted (within REPLAY_GRACE)?"""
+    async def _engine_declared_dead(self, gen: int, grace: float | None = None) -> bool:
+        """A failure on ``gen``: is that engine being restarted (now or within ``grace``,
+        REPLAY_GRACE unless given)?"""
         assert self._changed is not None
-        deadline = self.clock() + REPLAY_GRACE
+        deadline = self.clock() + (REPLAY_GRACE if grace is None else grace)
         async with self._changed:
             while self._dead_gen < gen and self._refusing is None:
                 left = deadline - self.clock()
@@ -559,6 +608,7 @@ class Front:
                 "holding": s.holding, "unanswered": s.unanswered,
                 "oldest_unanswered_seconds": round(s.oldest_unanswered, 2),
                 "requests": t.requests, "held": t.held, "replayed": t.replayed,
+                "retried": t.retried,
                 "hold_timeouts": t.hold_timeouts, "refused": t.refused,
                 "stream_errors": t.stream_errors, "failed": t.failed,
                 "queue_seconds": round(t.queue_seconds, 3),
@@ -600,6 +650,8 @@ class _Collector:
                 ("held", t.held, "requests that waited for an engine"),
                 ("replayed", t.replayed, "requests sent again after their engine failed "
                                          "before answering"),
+                ("retried", t.retried, "sends again to the same engine, on a new connection: "
+                                       "the last failed before any answer"),
                 ("hold_timeouts", t.hold_timeouts, "503s: no engine within hold_timeout"),
                 ("refused", t.refused, "503s: stopping, or the daemon gave up"),
                 ("stream_errors", t.stream_errors, "started streams ended with an error event "

@@ -437,7 +437,7 @@ def render_html(doc: Mapping[str, Any]) -> str:
     front = doc.get("front") or {}
     frows = [[k, front[k]] for k in ("listen", "engine", "open", "draining", "in_flight",
                                      "holding", "unanswered", "oldest_unanswered_seconds",
-                                     "requests", "held", "replayed", "hold_timeouts",
+                                     "requests", "held", "replayed", "retried", "hold_timeouts",
                                      "stream_errors", "failed", "refused", "queue_seconds",
                                      "hold_timeout") if k in front]
     srows: list[list[Any]] = [] if sb is None else [

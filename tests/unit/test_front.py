@@ -46,6 +46,7 @@ class Upstream:
         self.port = free_port()
         self.mode = "ok"  # ok | die (close before answering) | cut (2 chunks, then close)
         #                   | 500 | slow (stream 1 chunk per 0.1 s, 10 of them) | stuck
+        #                   | die-once (die, then ok)
         self.seen: list[dict[str, Any]] = []
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
@@ -74,8 +75,11 @@ class Upstream:
         body = await request.read()
         doc = json.loads(body) if body else {}
         self.seen.append({"path": request.path, "auth": request.headers.get("Authorization"),
-                          "body": doc})
+                          "body": doc, "peer": request.transport.get_extra_info("peername")
+                          if request.transport is not None else None})
         mode = self.mode
+        if mode == "die-once":
+            mode, self.mode = "die", "ok"
         if mode == "die":
             assert request.transport is not None
             request.transport.close()
@@ -212,16 +216,80 @@ def test_a_request_whose_engine_died_before_answering_is_replayed_on_the_next(
     try:
         upstream.mode = "die"
         later = Later(f.listen[1])
-        assert wait_until(lambda: len(upstream.seen) == 1)
-        # the failed request waits for the NEXT engine, not the one that failed it
+        # sent, and at once again on a new connection (nobody declared the engine dead yet)
+        assert wait_until(lambda: len(upstream.seen) == 2)
+        # the verdict comes within the grace: the request waits for the NEXT engine, not the
+        # one that failed it
+        f.engine_down("crash")
         assert wait_until(lambda: f.sample().holding == 1)
         upstream.mode = "ok"
-        f.engine_down("crash")
         time.sleep(0.1)
+        assert len(upstream.seen) == 2
         f.engine_up("engine-2")
         status, _, body = later.get()
+        assert status == 200 and json.loads(body)["n"] == 3
+        assert len(upstream.seen) == 3 and f.totals.retried == 1
+        assert f.totals.replayed == 1 and f.totals.failed == 0
+    finally:
+        f.stop()
+
+
+def test_a_connection_closed_unanswered_on_a_live_engine_is_retried_at_once_on_a_new_one(
+        upstream: Upstream) -> None:
+    # An idle connection vLLM's server closes (uvicorn's keep-alive timeout) just as a request
+    # goes out on it fails like a dead engine.  Nobody declares this engine dead, so waiting for
+    # the next one would hold the request for hold_timeout and answer 503 (a CI run had a
+    # stream held so on a healthy engine).
+    f = make_front(upstream, hold=30.0)
+    try:
+        upstream.mode = "die-once"
+        status, _, body = request(f.listen[1])
         assert status == 200 and json.loads(body)["n"] == 2
-        assert len(upstream.seen) == 2 and f.totals.replayed == 1 and f.totals.failed == 0
+        first, second = (s["peer"] for s in upstream.seen)
+        assert first != second  # a new connection, not another pooled one
+        assert (f.totals.retried, f.totals.replayed, f.totals.held, f.totals.failed) == \
+            (1, 0, 0, 0)
+        # the engine that really died fails the retry too: replayed on the next (above)
+    finally:
+        f.stop()
+
+
+def test_an_engine_nobody_declared_dead_is_retried_until_hold_timeout_then_a_503(
+        upstream: Upstream, monkeypatch: pytest.MonkeyPatch) -> None:
+    # its connections fail (a machine too busy to connect in time), yet it serves: each retry
+    # after a grace without a verdict, never a wait for a next engine that will not come
+    monkeypatch.setattr(front_mod, "REPLAY_GRACE", 0.2)
+    f = make_front(upstream, hold=1.5)
+    try:
+        upstream.mode = "die"
+        t0 = time.monotonic()
+        status, headers, body = request(f.listen[1])
+        waited = time.monotonic() - t0
+        assert status == 503 and headers["retry-after"] == str(front_mod.RETRY_AFTER)
+        error = json.loads(body)["error"]
+        assert error["type"] == "engine_unavailable" and "could not be reached" in error["message"]
+        assert "front.hold_timeout = 1.5s" in error["message"]
+        assert waited >= 1.5 and len(upstream.seen) >= 5, (waited, len(upstream.seen))
+        assert f.totals.retried == len(upstream.seen) - 1 and f.totals.replayed == 0
+        assert f.totals.held == 0 and f.totals.failed == 1
+    finally:
+        f.stop()
+
+
+def test_an_idle_connection_is_not_reused_past_keepalive(upstream: Upstream,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    # below vLLM's server keep-alive (5 s): the front closes first, so it never sends on a
+    # connection the server is closing
+    assert front_mod.KEEPALIVE < 5.0
+    monkeypatch.setattr(front_mod, "KEEPALIVE", 0.3)
+    f = make_front(upstream)
+    try:
+        for pause in (0.0, 0.0, 0.6):
+            time.sleep(pause)
+            assert request(f.listen[1])[0] == 200
+        peers = [s["peer"] for s in upstream.seen]
+        assert peers[0] == peers[1] and peers[2] != peers[1], peers
     finally:
         f.stop()
 
@@ -231,12 +299,17 @@ def test_replayed_only_once(upstream: Upstream) -> None:
     try:
         upstream.mode = "die"
         later = Later(f.listen[1])
-        assert wait_until(lambda: f.sample().holding == 1)
+        assert wait_until(lambda: len(upstream.seen) == 2)
         f.engine_down("crash")
+        assert wait_until(lambda: f.sample().holding == 1)
         f.engine_up("engine-2")
+        # the replay, and its retry on a new connection; then that engine is declared dead too
+        assert wait_until(lambda: len(upstream.seen) == 4)
+        f.engine_down("crash again")
         status, _, body = later.get()
         assert status == 502 and json.loads(body)["error"]["type"] == "engine_failed"
-        assert len(upstream.seen) == 2 and f.totals.replayed == 1 and f.totals.failed == 1
+        assert len(upstream.seen) == 4 and f.totals.retried == 2
+        assert f.totals.replayed == 1 and f.totals.failed == 1
     finally:
         f.stop()
 
