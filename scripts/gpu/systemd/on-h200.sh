@@ -34,6 +34,11 @@
 #                        mount on /sys/fs/cgroup when the host's is not already cgroup2;
 #                        asis: leave the host's layout to nspawn
 #   QWEN4090_SD_EAGER    true: enforce_eager from the first start (default false)
+#   QWEN4090_SD_STANDBY  sleep (GPU) or awake (CPU): restart.standby in the drop-in (issue 21);
+#                        after READY and the completion, wait for the standby to be built (and
+#                        put to sleep), record `qwen4090 status`, the host memory of the
+#                        unit's processes and the GPU's per-process memory, SIGKILL the
+#                        serving EngineCore, wait for failover_done, answer a completion
 #   QWEN4090_SD_NODRIVER=1, QWEN4090_SD_UNTIL=install, QWEN4090_SD_KIT=DIR: rehearse the GPU
 #                        path's python plumbing without a GPU (fake kit, fake parent venv)
 #   QWEN4090_SD_TEST_FAIL_FIRST=1  the first start gets a vLLM flag that does not exist (to
@@ -60,6 +65,8 @@ STAGE=$SDW/stage TREE=$SDW/tree OVL=$SDW/ovl
 BUDGET=${QWEN4090_SD_BUDGET:-470}
 CGMODE=${QWEN4090_SD_CGROUP:-v2}
 EAGER=${QWEN4090_SD_EAGER:-false}
+SB=${QWEN4090_SD_STANDBY:-}
+case $SB in ''|sleep|awake) ;; *) echo "QWEN4090_SD_STANDBY must be sleep or awake, not $SB" >&2; exit 2 ;; esac
 KIT=${QWEN4090_SD_KIT:-/tmp/vllm_lab}
 T0=$(date +%s)
 export LC_ALL=C.UTF-8
@@ -510,6 +517,11 @@ enabled = "required"
 sample_interval = 5.0
 EOF
     fi
+    if [ -n "$SB" ]; then
+        # a quiet moment of 5 s after READY before the first build: the completion that follows
+        # READY is answered before the serving engine sleeps for the build
+        printf '[restart]\nstandby = "%s"\nstandby_quiet = 5.0\n' "$SB" >>"$d/50-gpu.toml"
+    fi
     chmod 644 "$d/50-gpu.toml"
     cp "$d/50-gpu.toml" "$OUT/50-gpu.toml"
 }
@@ -575,6 +587,54 @@ probes() { # the device filter as the guest's systemd applies it (transient unit
         G 30 systemd-run --wait --pipe --quiet sh -c "$m"
     } >"$OUT/device-filter-probes.txt" 2>&1
     log "device-filter probes: $(grep -v '^##' "$OUT/device-filter-probes.txt" | tr '\n' '|' | cut -c1-400)"
+}
+
+journal_line() { # journal_line EVENT: the first line of this boot's qwen4090 journal that starts with it
+    G 20 journalctl -b -u qwen4090 -o cat --no-pager 2>/dev/null | grep -m1 -E "^(<[0-9]>)?$1 "
+}
+
+standby_check() { # issue 21 under the unit: the standby built (asleep), what it costs, a takeover
+    local t sb sbpid ec fo rt
+    t=$(date +%s)
+    while [ "$(left)" -gt 60 ]; do
+        sb=$(journal_line standby_ready) && break
+        sleep 3
+    done
+    if [ -z "$sb" ]; then
+        log "STANDBY: no standby_ready within the budget ($(( $(date +%s) - t ))s): $(G 20 journalctl -b -u qwen4090 -o cat --no-pager | grep -E '^(<[0-9]>)?standby_' | tail -n 2 | cut -c1-200 | tr '\n' ' ')"
+        return 1
+    fi
+    log "standby ready $(( $(date +%s) - t ))s after the completion: $(echo "$sb" | cut -c1-200)"
+    G 20 qwen4090 status --config /etc/qwen4090/qwen4090.toml >"$OUT/qwen4090-status-standby.txt" 2>&1
+    log "qwen4090 status: $(grep -i '^ *standby' "$OUT/qwen4090-status-standby.txt" | tr -s ' ' | cut -c1-200)"
+    # host memory of the unit's processes (the sleeping engine's weights are pinned there) and
+    # the GPU memory of each process as the host's driver sees it
+    G 20 sh -c 'for p in $(pgrep -u qwen4090); do echo "$p ppid=$(ps -o ppid= -p $p | tr -d " ") $(grep -E "^(VmRSS|RssAnon|RssFile|RssShmem|VmPin|VmLck)" /proc/$p/status | tr -s " \t\n" " ") $(tr "\0" " " </proc/$p/cmdline | cut -c1-90)"; done; grep -E "^(MemTotal|MemAvailable|Shmem):" /proc/meminfo' \
+        >"$OUT/standby-memory.txt" 2>&1
+    if [ "$CPU" != 1 ]; then
+        nvidia-smi --query-compute-apps=pid,used_memory --format=csv >>"$OUT/standby-memory.txt" 2>&1
+        nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$OUT/standby-memory.txt" 2>&1
+    fi
+    log "memory of the unit's processes: $(grep -c . "$OUT/standby-memory.txt") lines in standby-memory.txt"
+    # the serving engine's EngineCore: the one whose parent is not the standby's API server
+    sbpid=$(echo "$sb" | grep -o -E '(^| )pid=[0-9]+' | head -n1 | cut -d= -f2)
+    ec=$(G 10 sh -c "for p in \$(pgrep -u qwen4090 -f EngineCore); do [ \"\$(ps -o ppid= -p \$p | tr -d ' ')\" != '${sbpid:-0}' ] && echo \$p; done" | head -n1)
+    [ -n "$ec" ] || { log "STANDBY: no serving EngineCore found (standby pid ${sbpid:-?})"; return 1; }
+    log "SIGKILL of the serving EngineCore (pid $ec; the standby's API server is pid ${sbpid:-?})"
+    G 5 kill -KILL "$ec"
+    t=$(date +%s)
+    while [ $(( $(date +%s) - t )) -lt 60 ]; do
+        fo=$(journal_line failover_done) && break
+        fo=$(journal_line failover_failed) && break
+        sleep 1
+    done
+    rt=$(G 20 journalctl -b -u qwen4090 -o cat --no-pager 2>/dev/null | grep -E '^(<[0-9]>)?recovery_timeline ' | tail -n1)
+    log "after the kill: ${fo:-no failover line within 60 s} | $(echo "$rt" | cut -c1-200)"
+    completion
+    cp "$OUT/completion.json" "$OUT/completion-after-failover.json"
+    G 20 qwen4090 status --config /etc/qwen4090/qwen4090.toml >"$OUT/qwen4090-status-after-failover.txt" 2>&1
+    log "after the failover: NRestarts $(prop qwen4090 NRestarts), MainPID $(prop qwen4090 MainPID), STATUS=$(prop qwen4090 StatusText)"
+    case $fo in *failover_done*) return 0 ;; *) return 1 ;; esac
 }
 
 completion() {
@@ -658,6 +718,8 @@ do_run() {
         G 20 sh -c 'p=$(systemctl show -p MainPID --value qwen4090); echo "supervisor $p"; cat /proc/$p/cgroup; grep -E "Max open files" /proc/$p/limits; echo "oom_score_adj $(cat /proc/$p/oom_score_adj)"; ps -o pid,user,comm,args --ppid $p 2>/dev/null | cut -c1-160' \
             >"$OUT/supervisor-proc.txt" 2>&1
         G 30 systemd-analyze security qwen4090.service --no-pager >"$OUT/security.txt" 2>&1
+        local sbok=1
+        if [ -n "$SB" ]; then standby_check || sbok=0; fi
         probes
         log "systemctl stop qwen4090"
         local t; t=$(date +%s)
@@ -670,7 +732,8 @@ do_run() {
         stop "qwen4090.service did not reach READY under systemd: $(grep -v -e '^--' "$OUT/journal-units.txt" | grep -i -E 'error|fail|denied|not permitted|exited' | tail -n 3 | cut -c1-200 | tr '\n' ' ')"
     fi
     teardown
-    log "done: READY under a real systemd, journal in $OUT/journal-units.txt"
+    [ "${sbok:-1}" = 1 ] || { log "STOPPED: the standby ($SB) under the unit did not take over"; echo "standby did not take over" >"$OUT/STOPPED.txt"; exit 1; }
+    log "done: READY under a real systemd${SB:+, the standby ($SB) took over}, journal in $OUT/journal-units.txt"
 }
 
 case $stage in
