@@ -207,10 +207,10 @@ class RestartConfig:
                               "wait in pinned host memory, about 1 GiB stays on the GPU; vLLM's "
                               "sleep mode, CUDA only); awake (a full second engine: twice the "
                               "memory; for CPU vLLM)", choices=("off", "sleep", "awake"))
-    standby_quiet: float = opt(10.0, "seconds without a request before the standby is built "
-                                     "or rebuilt (in sleep mode the serving engine sleeps "
-                                     "meanwhile and the front holds requests)", min=0,
-                               max=DAY)
+    standby_quiet: float = opt(10.0, "seconds of serving READY without a request before the "
+                                     "standby is built or rebuilt (a start's seconds do not "
+                                     "count; in sleep mode the serving engine sleeps meanwhile "
+                                     "and the front holds requests)", min=0, max=DAY)
     wake_timeout: float = opt(30.0, "seconds for the standby to wake and give its known "
                                     "answer; past it (or a wrong answer) the normal restart",
                               min=1, max=600)

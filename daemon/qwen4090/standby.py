@@ -240,9 +240,13 @@ class Keeper:
 
     # --- the build --------------------------------------------------------------------------
 
-    def note_quiet(self, now: float, front: FrontSample | None) -> None:
+    def note_quiet(self, now: float, front: FrontSample | None, serving: bool) -> None:
+        """Quiet is counted only while the engine serves READY: the idle seconds of a start
+        (loading, warming) are no quiet moment, else the boot's first build began the instant
+        READY=1 went out and the first clients, sent on READY, waited out a sleep-mode build
+        (50 s under the unit on the H200, 2026-12-03)."""
         busy = front is not None and (front.in_flight > 0 or front.holding > 0)
-        if busy:
+        if busy or not serving:
             self.quiet_since = None
         elif self.quiet_since is None:
             self.quiet_since = now

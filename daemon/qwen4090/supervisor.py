@@ -399,7 +399,7 @@ class Supervisor:
         serving = self.run if self.state in (S.READY, S.DEGRADED, S.REBUILDING) \
             and not self.waking else None
         front = self.p.front.sample()
-        k.note_quiet(now, front)
+        k.note_quiet(now, front, serving=self.state is S.READY)
         self.carry_out(now, k.step(now, self.cfg, self.p.ports, serving, front))
         if serving is not None and k.due(now, self.state, self.cfg):
             ask = k.begin(now, serving, self.standby_launch)

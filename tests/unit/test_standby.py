@@ -114,6 +114,19 @@ def test_no_build_until_the_engine_is_quiet_for_standby_quiet() -> None:
     assert len(h.children) == 2
 
 
+def test_the_boots_first_build_waits_standby_quiet_after_ready() -> None:
+    # The idle minutes of a start are no quiet moment: on the H200 under the unit the first
+    # build began 1.5 ms after READY=1, and the completion sent on READY waited 50 s for it.
+    h = StandbyHarness("sleep")
+    h.run_until(S.READY)
+    h.probe_of(ENGINE).tokens_per_metrics = 1.0  # serving, not hung
+    h.step(1.0, 4)
+    assert h.sup.state is S.READY and len(h.children) == 1  # READY for 4 s of 5: serving
+    assert h.probe_of(ENGINE).controls == []
+    h.step(1.0, 2)
+    assert h.sup.state is S.REBUILDING  # 5 s without a request while READY: the build
+
+
 def test_sleep_mode_build_holds_sleeps_the_serving_engine_and_wakes_it() -> None:
     h = StandbyHarness("sleep")
     h.run_until(S.READY)
@@ -275,7 +288,9 @@ def test_a_hang_right_after_ready_is_dated_from_the_last_byte_not_the_first_poll
     h = StandbyHarness("sleep", {"restart": {"standby_quiet": 0.1},
                                  "watch": {"poll_interval": 4.0, "hang_timeout": 10.0,
                                            "unhealthy_timeout": 8.0, "canary_interval": 0.0}})
-    h.run_until(S.READY)  # the fakes build the standby in that step: no poll before it
+    h.run_until(S.READY)
+    # the fakes build the standby within a step once READY has been quiet for 0.1 s
+    h.until(lambda: h.sup.keeper.ready and h.sup.state is S.READY, dt=0.05)
     seen = [(t.src, t.dst) for t in h.events if isinstance(t, Transition)]
     assert seen[-2:] == [(S.READY, S.REBUILDING), (S.REBUILDING, S.READY)]
     h.step(0.25, 2)
