@@ -74,9 +74,15 @@ SLEEP_GPU_KEEP_GIB = 1.0
 SLEEP_GPU_KEEP_BYTES = int(SLEEP_GPU_KEEP_GIB * GIB)
 # The host memory a sleeping engine pins, per byte of weights it backs up: measured on the H200
 # (Qwen3-14B fp8, vLLM 0.26, docs/gpu-runs/2026-12-02-standby-hang/failover-rss.log) the
-# EngineCore's RssShmem was 22.83 GiB for vLLM's "15.91 GiB is backed up in CPU" (1.44x; PyTorch's
-# pinned host allocator rounding its blocks up, we think, not checked); we plan 1.5x.  An engine
-# keeps it once woken, and the serving engine sleeps for each rebuild: both engines hold it.
+# EngineCore's RssShmem was 22.83 GiB for vLLM's "15.91 GiB is backed up in CPU" (1.44x).  Why:
+# vLLM's CuMemAllocator.sleep backs up each weight allocation into its own
+# torch.empty(..., pin_memory=True), and PyTorch's pinned host allocator rounds every block up to
+# the next power of two (CachingHostAllocator: PowerOf2Ceil).  Qwen3-14B's tensors rounded so
+# (fp8 qkv, o, gate_up, down per layer; bf16 embedding and lm_head) add up to 22.75 GiB, against
+# the 22.83 measured; its AWQ build's (qweight, scales, zeros) to 13.74 GiB for 9.29 (1.48x).  The
+# factor depends on where each tensor's size falls below a power of two (1x to 2x); we plan 1.5x
+# (docs/recovery.md section 7).  An engine keeps it once woken, and the serving engine sleeps for
+# each rebuild: both engines hold it.
 PINNED_HOST_FACTOR = 1.5
 # A vLLM engine's processes besides that (RSS, same measurement): the EngineCore 1.4-1.5 GiB of
 # anonymous memory + 0.2-0.3 GiB of files, the API server 1.0 + 0.4: ~2.9 GiB; we plan 3.0 GiB.
