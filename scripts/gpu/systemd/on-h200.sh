@@ -530,8 +530,12 @@ devs() { G 10 sh -c 'ls -l /dev/nvidia* 2>&1; echo "## /proc/devices"; grep -i n
 
 prop() { G 10 systemctl show -p "$2" --value "$1" 2>/dev/null; }
 
+events() { # events PATTERN: this boot's qwen4090 journal lines whose event matches PATTERN (ERE)
+    G 20 journalctl -b -u qwen4090 -o cat --no-pager 2>/dev/null | grep -E "^(<[0-9]>)?($1) "
+}
+
 exits() { # vLLM exits the supervisor logged in this boot
-    local n; n=$(G 10 journalctl -b -u qwen4090 -o cat --no-pager 2>/dev/null | grep -c -E '^(<[0-9]>)?child_exited ')
+    local n; n=$(events child_exited | grep -c .)
     echo "${n:-0}"
 }
 
@@ -589,19 +593,15 @@ probes() { # the device filter as the guest's systemd applies it (transient unit
     log "device-filter probes: $(grep -v '^##' "$OUT/device-filter-probes.txt" | tr '\n' '|' | cut -c1-400)"
 }
 
-journal_line() { # journal_line EVENT: the first line of this boot's qwen4090 journal that starts with it
-    G 20 journalctl -b -u qwen4090 -o cat --no-pager 2>/dev/null | grep -m1 -E "^(<[0-9]>)?$1 "
-}
-
 standby_check() { # issue 21 under the unit: the standby built (asleep), what it costs, a takeover
     local t sb sbpid ec fo rt
     t=$(date +%s)
     while [ "$(left)" -gt 60 ]; do
-        sb=$(journal_line standby_ready) && break
+        sb=$(events standby_ready | head -n1); [ -n "$sb" ] && break
         sleep 3
     done
     if [ -z "$sb" ]; then
-        log "STANDBY: no standby_ready within the budget ($(( $(date +%s) - t ))s): $(G 20 journalctl -b -u qwen4090 -o cat --no-pager | grep -E '^(<[0-9]>)?standby_' | tail -n 2 | cut -c1-200 | tr '\n' ' ')"
+        log "STANDBY: no standby_ready within the budget ($(( $(date +%s) - t ))s): $(events 'standby_[a-z_]+' | tail -n 2 | cut -c1-200 | tr '\n' ' ')"
         return 1
     fi
     log "standby ready $(( $(date +%s) - t ))s after the completion: $(echo "$sb" | cut -c1-200)"
@@ -624,11 +624,10 @@ standby_check() { # issue 21 under the unit: the standby built (asleep), what it
     G 5 kill -KILL "$ec"
     t=$(date +%s)
     while [ $(( $(date +%s) - t )) -lt 60 ]; do
-        fo=$(journal_line failover_done) && break
-        fo=$(journal_line failover_failed) && break
+        fo=$(events 'failover_(done|failed)' | head -n1); [ -n "$fo" ] && break
         sleep 1
     done
-    rt=$(G 20 journalctl -b -u qwen4090 -o cat --no-pager 2>/dev/null | grep -E '^(<[0-9]>)?recovery_timeline ' | tail -n1)
+    rt=$(events recovery_timeline | tail -n1)
     log "after the kill: ${fo:-no failover line within 60 s} | $(echo "$rt" | cut -c1-200)"
     completion
     cp "$OUT/completion.json" "$OUT/completion-after-failover.json"
