@@ -19,7 +19,8 @@ class Stream(threading.Thread):
 
     ``started`` is set once the first token arrived; ``done`` says whether the stream ended
     with vLLM's ``data: [DONE]``; ``ended_wall`` is the wall-clock second it ended (to compare
-    with the daemon's log timestamps).
+    with the daemon's log timestamps); ``last_chunk_at`` the monotonic second its last chunk
+    came (None before the first).
     """
 
     def __init__(self, port: int, prompt: Any, max_tokens: int, timeout: float = 300.0) -> None:
@@ -31,6 +32,7 @@ class Stream(threading.Thread):
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.ended_wall: float | None = None
+        self.last_chunk_at: float | None = None
 
     def run(self) -> None:
         import http.client
@@ -58,6 +60,7 @@ class Stream(threading.Thread):
                     if choice.get("finish_reason"):
                         self.finish_reason = choice["finish_reason"]
                 self.chunks += 1
+                self.last_chunk_at = time.monotonic()
                 self.started.set()
         except Exception as e:  # what a client sees: recorded, never raised
             self.error = repr(e)
