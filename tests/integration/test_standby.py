@@ -14,13 +14,12 @@ from __future__ import annotations
 import os
 import signal
 import time
-from datetime import datetime
 from typing import Any
 
 import psutil
 import pytest
 
-from tests.support.clients import record
+from tests.support.clients import log_wall, record
 from tests.support.daemon import Daemon
 from tests.support.load import Load, summary
 from tests.support.runtime import cpu_config, free_port, write_toml
@@ -94,12 +93,6 @@ def standby_ready(d: Daemon) -> dict[str, Any]:
     return ev
 
 
-def logged_at(ev: dict[str, Any] | None) -> float:
-    """The daemon's own timestamp of a log line (not when the test read it), in seconds."""
-    assert ev is not None
-    return datetime.fromisoformat(str(ev["timestamp"]).replace("Z", "+00:00")).timestamp()
-
-
 def test_a_standby_is_built_after_ready_and_shown(daemon: Daemon) -> None:
     daemon.wait_state("ready", START_TIMEOUT)
     ready = standby_ready(daemon)
@@ -110,7 +103,9 @@ def test_a_standby_is_built_after_ready_and_shown(daemon: Daemon) -> None:
     # the boot's build waits restart.standby_quiet (2 s) of serving READY: the start's idle
     # seconds are no quiet moment (H200 under the unit: the build began 1.5 ms after READY=1
     # and held the first clients through a sleep-mode build)
-    at = {name: logged_at(daemon.event(name)) for name in ("ready_notified", "standby_rebuild")}
+    evs = {name: daemon.event(name) for name in ("ready_notified", "standby_rebuild")}
+    assert all(evs.values()), evs
+    at = {name: log_wall(ev) for name, ev in evs.items() if ev is not None}
     assert at["standby_rebuild"] - at["ready_notified"] >= 2.0 - 0.3, at
     # systemctl status says it (STATUS=)
     daemon.wait_for(lambda: any("standby ready" in s for s in daemon.statuses()), 30,
