@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import signal
 import threading
 import time
@@ -25,6 +26,7 @@ from qwen4090 import (
     caches,
     child,
     front,
+    frontlimits,
     httpapi,
     instance,
     launch,
@@ -248,7 +250,7 @@ def open_front(cfg: Config, log: LogLike, extend: Callable[[float], object],
         return NoFront()
     v = cfg.vllm
     door = front.Front((v.host, v.port), ("127.0.0.1", cfg.front.engine_port),
-                       cfg.front.hold_timeout, log)
+                       front_limits(cfg), log, key=child.read_api_key(v, os.environ))
     until = time.monotonic() + cfg.restart.port_wait
     said = False
     while True:
@@ -380,10 +382,16 @@ def reload_fanout(sup: Supervisor, gpu: GpuParts, api: httpapi.StatusApi,
         if "status" in changed:
             api.stop()
             api.serve(cfg.status)
-        if "front" in changed and isinstance(door, front.Front):
-            door.hold_timeout = cfg.front.hold_timeout
-            sup.log.info("front_reconfigured", hold_timeout=door.hold_timeout)
+        if ("front" in changed or "vllm" in changed) and isinstance(door, front.Front):
+            # the limits, and the API key (vllm.api_key_file: vLLM gets it at the restart
+            # that a [vllm] change makes)
+            door.configure(front_limits(cfg), child.read_api_key(cfg.vllm, os.environ))
     return on_event
+
+
+def front_limits(cfg: Config) -> frontlimits.Limits:
+    """[front]'s limits, the connection cap kept below the file limit now in force."""
+    return frontlimits.limits_of(cfg.front, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 
 
 # --- the command table and main -----------------------------------------------------------------

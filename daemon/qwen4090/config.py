@@ -258,6 +258,23 @@ class FrontConfig:
     hold_timeout: float = opt(120.0, "seconds a request may wait for vLLM to serve (a restart "
                                      "or a start); past it, 503 with Retry-After", min=0,
                               max=3600)
+    # What one client, and all of them, may cost the supervisor (issue 28.2): the front shares
+    # its process (file descriptors, memory) with the supervisor, so these bound it.
+    max_connections: int = opt(1024, "open client connections at most (also kept below the "
+                                     "process's file limit, with room for the supervisor's own "
+                                     "work); past it, 503 with Retry-After at once", min=1,
+                               max=1_000_000)
+    max_held: int = opt(256, "requests waiting for an engine at most; past it, 503 with "
+                             "Retry-After at once", min=0, max=1_000_000)
+    header_timeout: float = opt(10.0, "seconds a connection may take to send a request's "
+                                      "headers (from its opening or its last answer), and may "
+                                      "stay silent within a request's body; past it, 408 and "
+                                      "closed", min=1, max=3600)
+    max_body_mib: float = opt(32.0, "largest request body in MiB; past it, 413", min=0.01,
+                              max=4096)
+    body_budget_mib: float = opt(256.0, "request bodies held in memory at once, all clients "
+                                        "together, in MiB; past it, 503 with Retry-After",
+                                 min=0.01, max=65536)
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,11 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
+from qwen4090 import clientpath
 from qwen4090.events import EngineMoved, Event, Listener, Transition
+from qwen4090.frontlimits import RETRY_AFTER, SWEEP_EVERY, Doors, HttpLog, Limits, Shedding
 from qwen4090.states import SERVING_STATES, State
 
 # Headers that belong to one connection, not to the request or answer (RFC 9110 7.6.1), and
@@ -62,15 +65,10 @@ HOP_BY_HOP = frozenset({
 # vLLM's own 5xx answers while its engine dies ("EngineCore encountered an issue"): replayed
 # when the supervisor declares that engine dead within this long, else passed on as they are.
 REPLAY_GRACE = 3.0
-RETRY_AFTER = 5  # seconds a 503 asks the client to wait
-# vLLM's development endpoints (VLLM_SERVER_DEV_MODE=1, on with restart.standby = "sleep"): the
-# supervisor puts engines to sleep and wakes them; a client must never reach them.
-ENGINE_ONLY = frozenset({
-    "/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", "/reset_prefix_cache",
-    "/reset_mm_cache", "/reset_encoder_cache", "/server_info", "/pause", "/resume",
-    "/is_paused", "/abort_requests", "/init_weight_transfer_engine", "/start_weight_update",
-    "/start_draft_weight_update", "/update_weights", "/finish_weight_update", "/get_world_size",
-})
+HELD_FULL = -2  # _wait_for_engine: front.max_held requests wait already
+# aiohttp's parser: a request head of at most this many fields (3.8's default is 32,768, each
+# up to 8 KiB: a head could cost 256 MiB); vLLM's clients send about ten.
+MAX_HEADERS = 100
 QUEUE_BUCKETS = (0.001, 0.01, 0.1, 1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, math.inf)
 STREAM_DONE = b"data: [DONE]"
 STREAM_ERROR = b'data: {"error"'  # an OpenAI-style error event in a stream
@@ -102,6 +100,8 @@ class FrontSample:
     open: bool  # the engine is up: requests pass
     draining: bool
     last_byte_at: float | None = None  # when (the front's clock) the last of those came in
+    connections: int = 0  # client connections open
+    shedding: str = ""  # while a limit refuses clients: what and how many (STATUS)
 
 
 @dataclass
@@ -154,13 +154,21 @@ class NoAnswer(EngineFailed):
 class Front:
     """The proxy on the client port; start() binds it (OSError when the port is taken)."""
 
-    def __init__(self, listen: tuple[str, int], engine: tuple[str, int], hold_timeout: float,
-                 log: Any, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, listen: tuple[str, int], engine: tuple[str, int], limits: Limits,
+                 log: Any, key: str | None = None, clock: Callable[[], float] = time.monotonic,
                  engine_up: bool = False) -> None:
         self.listen, self.engine = listen, engine
-        self.hold_timeout = hold_timeout
+        # changed on the front's loop only (configure()); read anywhere: replaced whole
+        self.limits = limits
+        self._key = key  # the API key every path but clientpath.PUBLIC needs (None: no key)
         self.log = log
         self.clock = clock
+        self.shedding = Shedding(log, clock)
+        self._doors = Doors(lambda: self.limits, self._shed_connection,
+                            self.shedding.count_rejected, clock)
+        self._http_log = HttpLog(log)
+        self._body_bytes = 0  # request bodies held in memory now, all clients together
+        self._sweeper: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._in_flight = 0
@@ -223,8 +231,16 @@ class Front:
             raise OSError(f"the front did not start within {timeout:g}s")
         if started and started[0] is not None:
             raise started[0]
+        lim = self.limits
         self.log.info("front_listening", url=f"http://{_host_port(*self.listen)}",
-                      engine=_host_port(*self.engine), hold_timeout=self.hold_timeout)
+                      engine=_host_port(*self.engine), hold_timeout=lim.hold_timeout,
+                      max_connections=lim.max_connections, max_held=lim.max_held,
+                      header_timeout=lim.header_timeout, api_key=self._key is not None)
+        if lim.max_connections < lim.configured_connections:
+            self.log.warning("front_connections_capped", max_connections=lim.max_connections,
+                             configured=lim.configured_connections, fd_limit=lim.fd_limit,
+                             hint="the process's file limit (LimitNOFILE=) leaves room for "
+                                  "fewer client connections: raise it to have them")
 
     def stop(self, timeout: float = 5.0) -> None:
         loop, thread = self._loop, self._thread
@@ -242,9 +258,14 @@ class Front:
                 auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
         self._session = session(keepalive_timeout=KEEPALIVE)
         self._fresh = session(force_close=True)  # for the retry: never a pooled connection
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(self._http_log.loop_error)  # never a raw traceback
+        app = web.Application(client_max_size=self.limits.max_body)  # bodies: _read_body
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        kwargs: dict[str, Any] = {"access_log": None}
+        kwargs: dict[str, Any] = {"access_log": None, "logger": self._http_log,
+                                  "max_headers": MAX_HEADERS,
+                                  # idle connections: Doors.sweep closes them sooner
+                                  "keepalive_timeout": 75.0}
         if _version(aiohttp.__version__) >= (3, 9):
             # a client that left cancels its request (3.8, Debian 12's, always does)
             kwargs["handler_cancellation"] = True
@@ -254,11 +275,21 @@ class Front:
         # nothing more, and TCPSite.stop() of aiohttp 3.8 (Debian 12's) also shuts the open
         # connections down, cutting a request whose body is still on its way.
         assert self._runner.server is not None
-        self._listener = await asyncio.get_running_loop().create_server(
-            self._runner.server, self.listen[0], self.listen[1], reuse_address=True,
-            backlog=1024)
+        self._listener = await loop.create_server(
+            self._doors.protocol(self._runner.server), self.listen[0], self.listen[1],
+            reuse_address=True, backlog=1024)
+        self._sweeper = loop.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_EVERY)
+            self._doors.sweep()
+            self.shedding.tick()
 
     async def _cleanup(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self._doors.close_all()
         if self._listener is not None:
             self._listener.close()
         if self._runner is not None:
@@ -295,13 +326,19 @@ class Front:
         """The daemon gave up: no engine will come, held requests get their 503 now."""
         self._call(self._set_refusing, reason)
 
+    def configure(self, limits: Limits, key: str | None) -> None:
+        """New limits and API key (a reload): they apply at once, to the requests already
+        held too (a shorter hold_timeout ends the holds already past it)."""
+        self._call(self._set_limits, limits, key)
+
     def sample(self) -> FrontSample:
         now = self.clock()
         with self._lock:
             oldest = now - min(self._unanswered.values()) if self._unanswered else 0.0
             return FrontSample(self._in_flight, self._holding, len(self._unanswered),
                                max(0.0, oldest), self._bytes, self._open, self._draining,
-                               self._last_byte)
+                               self._last_byte, len(self._doors.open),
+                               self.shedding.sample())
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> None:
         loop = self._loop
@@ -344,7 +381,7 @@ class Front:
         if self._burst is None:
             self._burst = Burst(self.clock(), reason)
             self.log.info("front_holding", reason=reason, in_flight=self._in_flight,
-                          hold_timeout=self.hold_timeout)
+                          hold_timeout=self.limits.hold_timeout)
         await self._notify()
 
     async def _set_draining(self) -> None:
@@ -360,40 +397,136 @@ class Front:
         self._refusing = reason
         await self._notify()
 
+    async def _set_limits(self, limits: Limits, key: str | None) -> None:
+        was, self.limits, self._key = self.limits, limits, key
+        self.log.info("front_reconfigured", hold_timeout=limits.hold_timeout,
+                      max_connections=limits.max_connections, max_held=limits.max_held,
+                      header_timeout=limits.header_timeout,
+                      max_body_mib=round(limits.max_body / 2**20, 2),
+                      body_budget_mib=round(limits.body_budget / 2**20, 2),
+                      api_key=key is not None)
+        if limits.hold_timeout != was.hold_timeout:
+            await self._notify()  # the held recount their deadlines
+
     # --- the data path -----------------------------------------------------------------------
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        door = self._doors.busy(request.transport)
+        try:
+            return await self._admit(request)
+        finally:
+            self._doors.done(door)
+
+    async def _admit(self, request: web.Request) -> web.StreamResponse:
+        """The checks before any work, cheapest first: the target (one decision on the form
+        that is forwarded), the key, room to hold; then the body, within its bounds."""
         if self._draining or self._refusing is not None:
             return self._refuse(request)
-        if request.path in ENGINE_ONLY:
-            return _error(404, f"{request.path} is not served on the client port", "not_found")
+        route = clientpath.decide(request.method, request.raw_path)
+        if isinstance(route, clientpath.Refusal):
+            self.shedding.count_rejected(_REJECTED.get(route.status, "bad_request"))
+            return _error(route.status, route.message, route.kind, close=True)
+        if (self._key is not None and not route.public and request.method != "OPTIONS"
+                and not clientpath.authorized(request.headers.get("Authorization"),
+                                              self._key)):
+            self.shedding.count_rejected("unauthorized")
+            return _error(401, "a valid API key is needed: send Authorization: Bearer <key>",
+                          "invalid_api_key", close=True)
+        if not self._open and self._holding >= self.limits.max_held:
+            return self._shed_held()
         rid = next(self._ids)
         arrived = self.clock()
         with self._lock:
             self._in_flight += 1
             self.totals.requests += 1
+        held = [0]  # body bytes counted against the budget, given back at the end
         try:
-            body = await request.read()
-            return await self._forward(request, rid, arrived, body)
+            body = await self._read_body(request, held)
+            if isinstance(body, web.StreamResponse):
+                return body
+            return await self._forward(request, rid, arrived, body, route.target)
         finally:
+            self._body_bytes -= held[0]
             with self._lock:
                 self._in_flight -= 1
                 self._unanswered.pop(rid, None)
 
-    async def _forward(self, request: web.Request, rid: int, arrived: float, body: bytes
-                       ) -> web.StreamResponse:
-        deadline = arrived + self.hold_timeout
+    async def _read_body(self, request: web.Request, held: list[int]
+                         ) -> bytes | web.StreamResponse:
+        """The whole body, counted against front.max_body_mib (413) and, with every other
+        body in memory, against front.body_budget_mib (503); a client silent for
+        front.header_timeout within it gets 408."""
+        lim = self.limits
+        declared = request.content_length
+        if declared is not None and declared > lim.max_body:
+            return self._too_large(lim)
+        if not self._budget(declared or 0, held):
+            return self._shed_budget(lim)
+        chunks: list[bytes] = []
+        got = 0
+        while True:
+            try:
+                chunk = await asyncio.wait_for(request.content.readany(), lim.header_timeout)
+            except asyncio.TimeoutError:
+                self.shedding.count_rejected("body_timeout")
+                return _error(408, f"the request's body stopped for {lim.header_timeout:g}s "
+                                   "(front.header_timeout)", "timeout", close=True)
+            if not chunk:
+                return b"".join(chunks)
+            got += len(chunk)
+            if got > lim.max_body:
+                return self._too_large(lim)
+            if got > held[0] and not self._budget(got - held[0], held):
+                return self._shed_budget(lim)
+            chunks.append(chunk)
+
+    def _budget(self, n: int, held: list[int]) -> bool:
+        if n and self._body_bytes + n > self.limits.body_budget:
+            return False
+        self._body_bytes += n
+        held[0] += n
+        return True
+
+    def _too_large(self, lim: Limits) -> web.Response:
+        self.shedding.count_rejected("body_too_large")
+        return _error(413, f"the request body is larger than {lim.max_body / 2**20:g} MiB "
+                           "(front.max_body_mib)", "request_too_large", close=True)
+
+    def _shed_budget(self, lim: Limits) -> web.Response:
+        self.shedding.count_shed("body_budget_mib", "front.body_budget_mib",
+                                 round(lim.body_budget / 2**20, 2))
+        return _error(503, f"qwen4090 holds {lim.body_budget / 2**20:g} MiB of request "
+                           "bodies already (front.body_budget_mib); try again later",
+                      "overloaded", retry_after=True, close=True)
+
+    def _shed_held(self) -> web.Response:
+        lim = self.limits
+        self.shedding.count_shed("max_held", "front.max_held", lim.max_held)
+        return _error(503, f"no engine is serving and {lim.max_held} requests wait for one "
+                           "already (front.max_held); try again later", "overloaded",
+                      retry_after=True, close=True)
+
+    def _shed_connection(self, limit: str) -> None:  # Doors: past front.max_connections
+        self.shedding.count_shed(limit, f"front.{limit}", self.limits.max_connections)
+
+    def _deadline(self, arrived: float) -> float:
+        return arrived + self.limits.hold_timeout  # read each time: a reload reaches holds
+
+    async def _forward(self, request: web.Request, rid: int, arrived: float, body: bytes,
+                       target: str) -> web.StreamResponse:
         after = 0  # an engine newer than this one (after a failure: the next engine)
         fresh = False  # the last send's connection failed unanswered: a new one
         attempt = 1
         while True:
-            gen = await self._wait_for_engine(rid, arrived, deadline, after)
+            gen = await self._wait_for_engine(rid, arrived, after)
             if gen is None:
                 return self._hold_timeout(request, arrived)
+            if gen == HELD_FULL:
+                return self._shed_held()
             if gen < 0:
                 return self._refuse(request)
             try:
-                return await self._send(request, rid, gen, body, fresh=fresh)
+                return await self._send(request, rid, gen, body, target, fresh=fresh)
             except EngineFailed as e:
                 with self._lock:
                     self._unanswered.pop(rid, None)
@@ -404,12 +537,12 @@ class Front:
                     # machine too busy to answer.  The same engine again on a new connection,
                     # at once the first time, then after a death verdict's grace, as long as
                     # the request may wait (a dead engine's verdict comes within the grace).
-                    if self.clock() >= deadline:
+                    if self.clock() >= self._deadline(arrived):
                         with self._lock:
                             self.totals.failed += 1
                         return _error(503, f"vLLM could not be reached for "
                                            f"{self.clock() - arrived:.0f}s (front.hold_timeout"
-                                           f" = {self.hold_timeout:g}s): {e}",
+                                           f" = {self.limits.hold_timeout:g}s): {e}",
                                       "engine_unavailable", retry_after=True)
                     fresh, after = True, gen - 1  # this engine (or a newer one)
                     with self._lock:
@@ -430,15 +563,16 @@ class Front:
                     self._burst.replayed += 1
                 after, attempt = gen, 2
                 arrived = self.clock()  # the replay waits for the next engine afresh
-                deadline = arrived + self.hold_timeout
 
-    async def _wait_for_engine(self, rid: int, arrived: float, deadline: float, after: int
-                               ) -> int | None:
-        """The serving engine's generation (newer than ``after``), None past the deadline, -1
-        when requests are refused."""
+    async def _wait_for_engine(self, rid: int, arrived: float, after: int) -> int | None:
+        """The serving engine's generation (newer than ``after``), None past hold_timeout
+        from ``arrived``, -1 when requests are refused, HELD_FULL when front.max_held wait
+        already."""
         assert self._changed is not None
         if self._open and self._gen > after and self._refusing is None:
             return self._gen
+        if self._holding >= self.limits.max_held:
+            return HELD_FULL
         with self._lock:
             self._holding += 1
             self._held[rid] = arrived
@@ -452,7 +586,7 @@ class Front:
                         return -1
                     if self._open and self._gen > after:
                         return self._gen
-                    left = deadline - self.clock()
+                    left = self._deadline(arrived) - self.clock()
                     if left <= 0:
                         return None
                     with contextlib.suppress(asyncio.TimeoutError):
@@ -471,11 +605,13 @@ class Front:
             if self._burst is not None:
                 self._burst.longest_wait = max(self._burst.longest_wait, waited)
 
-    async def _send(self, request: web.Request, rid: int, gen: int, body: bytes,
+    async def _send(self, request: web.Request, rid: int, gen: int, body: bytes, target: str,
                     fresh: bool = False) -> web.StreamResponse:
         session = self._fresh if fresh else self._session
         assert session is not None
-        url = f"http://{_host_port(*self.engine)}{request.rel_url}"
+        # exactly the target decided on (clientpath): encoded=True, so yarl neither
+        # re-quotes nor removes dot segments on the way
+        url = URL(f"http://{_host_port(*self.engine)}{target}", encoded=True)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         with self._lock:
             self._unanswered[rid] = self.clock()
@@ -583,7 +719,7 @@ class Front:
             self._burst.hold_timeouts += 1
         waited = self.clock() - arrived
         return _error(503, f"no engine is serving: waited {waited:.0f}s (front.hold_timeout "
-                           f"= {self.hold_timeout:g}s); qwen4090 is restarting vLLM",
+                           f"= {self.limits.hold_timeout:g}s); qwen4090 is restarting vLLM",
                       "engine_unavailable", retry_after=True)
 
     def _refuse(self, request: web.Request) -> web.Response:
@@ -600,6 +736,8 @@ class Front:
     def status(self) -> dict[str, Any]:
         """/status: the front's counts (httpapi.StatusSource)."""
         s = self.sample()
+        lim = self.limits
+        shed, rejected = self.shedding.copy()
         with self._lock:
             t = self.totals
             return {"front": {
@@ -612,7 +750,15 @@ class Front:
                 "hold_timeouts": t.hold_timeouts, "refused": t.refused,
                 "stream_errors": t.stream_errors, "failed": t.failed,
                 "queue_seconds": round(t.queue_seconds, 3),
-                "hold_timeout": self.hold_timeout}}
+                "hold_timeout": lim.hold_timeout,
+                "connections": s.connections, "body_bytes": self._body_bytes,
+                "limits": {"max_connections": lim.max_connections, "max_held": lim.max_held,
+                           "header_timeout": lim.header_timeout,
+                           "max_body_mib": round(lim.max_body / 2**20, 2),
+                           "body_budget_mib": round(lim.body_budget / 2**20, 2),
+                           "fd_limit": lim.fd_limit},
+                "shed": shed, "rejected": rejected, "shedding": s.shedding,
+                "api_key": self._key is not None}}
 
     def register(self, registry: Any) -> None:
         """/metrics: the front's families (httpapi.StatusSource)."""
@@ -659,6 +805,36 @@ class _Collector:
                 ("failed", t.failed, "requests answered with an error after the replay "
                                      "failed too")):
             yield CounterMetricFamily(f"qwen4090_front_{name}", help_, value=value)
+        yield GaugeMetricFamily("qwen4090_front_connections", "client connections open",
+                                value=s.connections)
+        yield GaugeMetricFamily("qwen4090_front_body_bytes",
+                                "request bodies held in memory now, all clients together",
+                                value=f._body_bytes)
+        lim = f.limits
+        limit = GaugeMetricFamily("qwen4090_front_limit", "the front's limits in force "
+                                  "([front]; max_connections within the file limit)",
+                                  labels=["limit"])
+        values: tuple[tuple[str, float], ...] = (
+            ("max_connections", lim.max_connections), ("max_held", lim.max_held),
+            ("header_timeout", lim.header_timeout), ("max_body_bytes", lim.max_body),
+            ("body_budget_bytes", lim.body_budget))
+        for name, amount in values:
+            limit.add_metric([name], amount)
+        yield limit
+        shed, rejected = f.shedding.copy()
+        family = CounterMetricFamily("qwen4090_front_shed", "503s because a [front] limit "
+                                     "was reached, by the limit's key", labels=["limit"])
+        for name in ("max_connections", "max_held", "body_budget_mib"):
+            family.add_metric([name], shed.get(name, 0))
+        yield family
+        family = CounterMetricFamily("qwen4090_front_rejected", "requests refused as bad "
+                                     "(4xx): a target not served or malformed, a method, no "
+                                     "or a wrong API key, a body too large, too slow a client",
+                                     labels=["reason"])
+        for name in ("bad_target", "not_served", "method", "unauthorized", "body_too_large",
+                     "header_timeout", "body_timeout"):
+            family.add_metric([name], rejected.get(name, 0))
+        yield family
         buckets, running = [], 0
         for bound, n in zip(QUEUE_BUCKETS, t.queue_buckets, strict=True):
             running += n
@@ -699,11 +875,20 @@ def _stream_error(what: str) -> bytes:
     return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
-def _error(status: int, message: str, kind: str, retry_after: bool = False) -> web.Response:
-    """An OpenAI-style error answer."""
+def _error(status: int, message: str, kind: str, retry_after: bool = False,
+           close: bool = False) -> web.Response:
+    """An OpenAI-style error answer; ``close``: the connection ends after it (its request's
+    body may be unread)."""
     headers = {"Retry-After": str(RETRY_AFTER)} if retry_after else {}
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.json_response(body, status=status, headers=headers)
+    resp = web.json_response(body, status=status, headers=headers)
+    if close:
+        resp.force_close()
+    return resp
+
+
+# clientpath's refusals by status, as counted in qwen4090_front_rejected_total{reason}
+_REJECTED = {400: "bad_target", 404: "not_served", 405: "method"}
 
 
 def _what(e: BaseException) -> str:
@@ -733,8 +918,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hold-timeout", type=float, default=120.0)
     args = p.parse_args(argv)
     logs.setup("keyvalue", "info")
-    front = Front(args.listen, args.engine, args.hold_timeout, logs.get_logger(),
-                  engine_up=True)
+    front = Front(args.listen, args.engine, Limits(hold_timeout=args.hold_timeout),
+                  logs.get_logger(), engine_up=True)
     front.start()
     try:
         while True:

@@ -21,6 +21,7 @@ from tests.support.fakes import Log
 from qwen4090 import front as front_mod
 from qwen4090.events import Transition
 from qwen4090.front import Front, steer
+from qwen4090.frontlimits import Limits
 from qwen4090.states import State
 
 
@@ -74,7 +75,8 @@ class Upstream:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         doc = json.loads(body) if body else {}
-        self.seen.append({"path": request.path, "auth": request.headers.get("Authorization"),
+        self.seen.append({"path": request.path, "raw": request.raw_path,
+                          "auth": request.headers.get("Authorization"),
                           "body": doc, "peer": request.transport.get_extra_info("peername")
                           if request.transport is not None else None})
         mode = self.mode
@@ -120,9 +122,9 @@ def upstream() -> Iterator[Upstream]:
     u.close()
 
 
-def make_front(upstream: Upstream, up: bool = True, hold: float = 5.0) -> Front:
-    f = Front(("127.0.0.1", free_port()), ("127.0.0.1", upstream.port), hold, Log(),
-              engine_up=up)
+def make_front(upstream: Upstream, up: bool = True, hold: float = 5.0, **limits: Any) -> Front:
+    f = Front(("127.0.0.1", free_port()), ("127.0.0.1", upstream.port),
+              Limits(hold_timeout=hold, **limits), Log(), engine_up=up)
     f.start()
     return f
 
@@ -446,7 +448,8 @@ def test_a_taken_port_is_an_oserror(upstream: Upstream) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen(1)
-        f = Front(("127.0.0.1", s.getsockname()[1]), ("127.0.0.1", upstream.port), 1.0, Log())
+        f = Front(("127.0.0.1", s.getsockname()[1]), ("127.0.0.1", upstream.port),
+                  Limits(hold_timeout=1.0), Log())
         with pytest.raises(OSError):
             f.start()
 

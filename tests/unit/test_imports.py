@@ -33,11 +33,12 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "config": ("config", "derived"),
     # pure decisions on the config's thresholds: backoff, budget, exit classes, hang verdicts,
     # and the judges that own their timers
-    "policy": ("policy", "judges"),
+    "policy": ("policy", "judges", "clientpath"),
     # what asks vLLM and the GPU, and returns a result
     "probes": ("probes.http", "probes.nvml", "nvml_binding"),
     # one vLLM process and what runs beside it (the front: the client port before it)
-    "engine": ("child", "warmup", "timeline", "preimport", "readahead", "caches", "front"),
+    "engine": ("child", "warmup", "timeline", "preimport", "readahead", "caches", "front",
+               "frontlimits"),
     # what vLLM is launched with, and where: the plan, what earlier starts taught, the runtime
     # venv, the checks before a launch, the instance (its lock, its child record, its port)
     "launch": ("launch", "plan", "learned", "kvbudget", "steptime", "ladder", "runtime",
