@@ -25,6 +25,7 @@ from qwen4090 import (
     bench,
     caches,
     child,
+    fdlimit,
     front,
     frontlimits,
     httpapi,
@@ -148,6 +149,9 @@ def serve(args: argparse.Namespace, wake: signals.Wakeup, pending: deque[int]) -
     logs.set_vllm_level(cfg.log.vllm_level)
     log = logs.get_logger()
     log.info("starting", version=__version__, config=",".join(cfg.sources), pid=os.getpid())
+    # The front's clients are files of ours: the soft limit up to the hard one before the
+    # client port opens (the front's cap is kept below it: fdlimit.py, issue 28.3).
+    fdlimit.raise_soft(log)
     # One instance per vLLM port, and what a killed one left (issue 8.3, 8.5; instance.py).
     try:
         inst = instance.Instance.take(cfg, log)

@@ -28,7 +28,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # nothing of ours below it: what vLLM says and does (vllmfacts), the states and the events
     # about them, the log, and small pieces of the machine (child.py strips notify's variables)
     "base": ("states", "events", "vllmfacts", "logs", "redact", "atomicfile", "oomscore",
-             "notify", "preimport_main"),  # preimport_main runs in vLLM's interpreter
+             "notify", "preimport_main",  # preimport_main runs in vLLM's interpreter
+             "fdlimit"),  # the file limit, and "no file descriptor left" is no verdict
     # every default and its validation; the keys whose default follows other keys
     "config": ("config", "derived"),
     # pure decisions on the config's thresholds: backoff, budget, exit classes, hang verdicts,
