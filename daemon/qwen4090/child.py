@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from qwen4090 import oomscore
+from qwen4090 import fdlimit, oomscore
 from qwen4090.config import AUTO, Config, VllmConfig, read_secret
 from qwen4090.logs import LEVELS
 from qwen4090.notify import child_environment
@@ -183,6 +183,7 @@ class VllmChild:
         self.last_output = clock()
         self._engines: list[int] = []  # its EngineCore pids, once known (engine_gone)
         self._engines_looked = -1e18
+        self.pressure = fdlimit.PRESSURE  # looks that found no file descriptor (fdlimit.py)
         self.started = clock()
         self._on_line = on_line
         self._on_engine_dead = on_engine_dead
@@ -263,7 +264,26 @@ class VllmChild:
             return True
 
     def group_members(self) -> list[int]:
-        """Live (non-zombie) pids of the group; reaps zombies that were re-parented to us."""
+        """Live (non-zombie) pids of the group; reaps zombies that were re-parented to us.
+
+        With no file descriptor left the walk of /proc cannot be made: the kernel still says
+        whether any process of the group lives (kill(-pgid, 0) needs no file), and that is
+        all this answer says then (the leader's pid, or none); never "gone" while one lives."""
+        try:
+            return self._walk_group()
+        except OSError as e:
+            if not fdlimit.exhausted(e):
+                raise
+            self.pressure.note("the processes of vLLM's group", e)
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return []
+        except OSError:  # EPERM: a process of the group lives, not ours to signal
+            pass
+        return [self.pid]
+
+    def _walk_group(self) -> list[int]:
         members = []
         me = os.getpid()
         for p in psutil.process_iter(["pid", "ppid", "status"]):
@@ -296,20 +316,31 @@ class VllmChild:
         for pid in self._engines:
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
+            except OSError as e:
+                if fdlimit.exhausted(e):  # could not look: not a verdict (issue 28.3)
+                    self.pressure.note("vLLM's EngineCore in /proc", e)
+                    return None
                 return f"its EngineCore (pid {pid}) is gone"
             if stat[stat.rfind(")") + 2:][:1] in ("Z", "X"):
                 return f"its EngineCore (pid {pid}) exited"
         return None
 
     def engine_pids(self) -> list[int]:
-        """The EngineCore processes of this tree (vLLM names them with setproctitle)."""
+        """The EngineCore processes of this tree (vLLM names them with setproctitle).  With
+        no file descriptor left to look: the ones known from the last look (a stop must not
+        take "cannot look" for "no EngineCore left")."""
         out = []
-        for pid in self.group_members():
-            with contextlib.suppress(psutil.Error):
-                p = psutil.Process(pid)
-                if ENGINE_PROC in p.name() or any(ENGINE_PROC in a for a in p.cmdline()):
-                    out.append(pid)
+        try:
+            for pid in self.group_members():
+                with contextlib.suppress(psutil.Error):
+                    p = psutil.Process(pid)
+                    if ENGINE_PROC in p.name() or any(ENGINE_PROC in a for a in p.cmdline()):
+                        out.append(pid)
+        except OSError as e:
+            if not fdlimit.exhausted(e):
+                raise
+            self.pressure.note("vLLM's EngineCore processes", e)
+            return list(self._engines)
         return out
 
 

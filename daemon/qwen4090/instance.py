@@ -46,7 +46,7 @@ from typing import Any, Protocol
 
 import psutil
 
-from qwen4090 import atomicfile, learned
+from qwen4090 import atomicfile, fdlimit, learned
 from qwen4090.child import tcp_connections
 from qwen4090.config import Config, ConfigError
 from qwen4090.vllmfacts import WILDCARDS
@@ -317,15 +317,18 @@ def listeners(conns: Iterable[Any], host: str, port: int, pid: int | None = None
 def _cmdline(pid: int) -> list[str] | None:
     try:
         return psutil.Process(pid).cmdline() or [psutil.Process(pid).name()]
-    except psutil.Error:
+    except (psutil.Error, OSError):  # OSError: EMFILE, no file left to read /proc with
         return None
 
 
-def port_holders(host: str, port: int) -> str:
-    """Who listens on host:port, in one phrase (pid and command line)."""
+def port_holders(host: str, port: int, strict: bool = False) -> str:
+    """Who listens on host:port, in one phrase (pid and command line).  ``strict``: no file
+    descriptor left to look with raises the OSError (else: "an unknown process")."""
     try:
         holders = listeners(psutil.net_connections("tcp"), host, port)
-    except (psutil.Error, OSError):
+    except (psutil.Error, OSError) as e:
+        if strict and fdlimit.exhausted(e):
+            raise
         holders = []
     cmds = {h.pid: c for h in holders if h.pid is not None
             and (c := _cmdline(h.pid)) is not None}
@@ -333,9 +336,15 @@ def port_holders(host: str, port: int) -> str:
 
 
 def try_bind(host: str, port: int) -> OSError | None:
-    """Bind host:port as vLLM will (SO_REUSEADDR: a socket in TIME_WAIT does not count)."""
+    """Bind host:port as vLLM will (SO_REUSEADDR: a socket in TIME_WAIT does not count).  The
+    error is returned, also one from making the socket (EMFILE: no file descriptor left to
+    look with; fdlimit.exhausted tells it from an answer about the port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
+    try:
+        s = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        return e
+    with s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
@@ -442,15 +451,18 @@ def _lock_holder(fd: int) -> str:
     return f"pid {pid} ({_clip(' '.join(cmd))})" if cmd else f"pid {pid}"
 
 
-def _proc_info(pid: int) -> ProcInfo | None:
-    """A live (non-zombie) process, or None."""
+def _proc_info(pid: int, strict: bool = False) -> ProcInfo | None:
+    """A live (non-zombie) process, or None; ``strict``: no file descriptor left to look with
+    raises the OSError instead (a caller that must not take "cannot look" for "gone")."""
     try:
         p = psutil.Process(pid)
         with p.oneshot():
             if p.status() == psutil.STATUS_ZOMBIE:
                 return None
             return ProcInfo(pid, p.create_time(), tuple(p.cmdline()), os.getpgid(pid))
-    except (psutil.Error, OSError):
+    except (psutil.Error, OSError) as e:
+        if strict and fdlimit.exhausted(e):
+            raise
         return None
 
 
@@ -624,16 +636,30 @@ class Instance:
     # --- the supervisor's port part ---------------------------------------------------------
 
     def holder(self, host: str, port: int) -> str | None:
-        """Who holds host:port (None: vLLM can bind it, or preflight will say why not)."""
+        """Who holds host:port (None: vLLM can bind it, or preflight will say why not).
+        Raises the OSError when no file descriptor was left to look with: "cannot look" is
+        neither a free port nor a holder (the supervisor's preflight looks again later)."""
         err = try_bind(host, port)
+        if err is not None and fdlimit.exhausted(err):
+            raise err
         if err is None or err.errno != errno.EADDRINUSE:
             return None
         return port_holders(host, port)
 
     def owner(self, child: ChildGroup, host: str, port: int) -> PortOwner:
-        """Does a process of our child's group listen on host:port?"""
+        """Does a process of our child's group listen on host:port?  "Cannot tell" (``ours``
+        None) when no file descriptor was left to look with: never a stranger for that."""
+        try:
+            return self._owner(child, host, port)
+        except OSError as e:
+            if not fdlimit.exhausted(e):
+                raise
+            fdlimit.PRESSURE.note("who listens on vLLM's port", e)
+            return PortOwner(None, "cannot look: no file descriptor left")
+
+    def _owner(self, child: ChildGroup, host: str, port: int) -> PortOwner:
         pids = list(dict.fromkeys([child.pid, *child.group_members()]))
-        infos = [i for pid in pids if (i := _proc_info(pid)) is not None]
+        infos = [i for pid in pids if (i := _proc_info(pid, strict=True)) is not None]
         unseen = 0
         for info in infos:
             try:
@@ -648,7 +674,7 @@ class Instance:
                 return PortOwner(True)
         if infos and unseen == len(infos):
             return PortOwner(None, f"the sockets of our vLLM are not visible to user {_user()}")
-        return PortOwner(False, port_holders(host, port))
+        return PortOwner(False, port_holders(host, port, strict=True))
 
     # --- what a previous instance left ------------------------------------------------------
 

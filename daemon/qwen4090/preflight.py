@@ -4,6 +4,9 @@ Configuration problems (missing model directory, unusable command, loose API-key
 :class:`ConfigError` and are never retried.  Conditions that may pass by themselves (the port
 still held by a dying process) are transient: the start is retried with backoff.  A port held
 by another process is named (pid, command line) and waited on without counting a failure.
+A check that could not look because no file descriptor was left (EMFILE, ENFILE: clients
+holding the front's connections; fdlimit.py) judges nothing: the result is ``unseen`` and the
+supervisor runs the preflight again soon, not counted (issue 28.3).
 GPU checks (driver, free VRAM, the KV-cache plan) plug in as extra checks; what is launched
 (and why) is launch.py's, never a check's.
 """
@@ -17,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qwen4090 import configrisk, steptime
+from qwen4090 import configrisk, fdlimit, steptime
 from qwen4090.child import api_key_path
 from qwen4090.config import Config, ConfigError, read_secret
 from qwen4090.instance import port_holders, try_bind
@@ -30,12 +33,13 @@ class PreflightResult:
     fatal: ConfigError | None = None  # never heals: exit 78
     transient: str | None = None  # may heal: retry with backoff
     port_holder: str | None = None  # vLLM's port is held by this process: wait, do not count
+    unseen: OSError | None = None  # a check could not look (no file descriptor): again soon
     warnings: list[str] = field(default_factory=list)
     facts: dict[str, object] = field(default_factory=dict)  # for logs and status
 
     @property
     def ok(self) -> bool:
-        return self.fatal is None and self.transient is None
+        return self.fatal is None and self.transient is None and self.unseen is None
 
 
 Check = Callable[[Config, PreflightResult], None]
@@ -98,6 +102,8 @@ def check_api_key(cfg: Config, res: PreflightResult, env: Mapping[str, str] | No
         try:
             read_secret(path)
         except ConfigError as e:
+            if fdlimit.exhausted(e):
+                raise  # could not open it: says nothing about the file (run_checks)
             res.fatal = e
 
 
@@ -106,6 +112,8 @@ def check_port(cfg: Config, res: PreflightResult) -> None:
     e = try_bind(host, port)
     if e is None:
         return
+    if fdlimit.exhausted(e):
+        raise e  # no socket to look with: says nothing about the port (run_checks)
     if e.errno == errno.EADDRINUSE:
         # Waited on by the supervisor (restart.port_wait), not counted as a vLLM failure.
         res.port_holder = port_holders(host, port)
@@ -196,9 +204,18 @@ STATIC_CHECKS: list[Check] = [check_model, check_command, check_api_key, check_r
 
 
 def run_checks(cfg: Config, checks: Sequence[Check]) -> PreflightResult:
+    """The checks in order, up to the first fatal one, or the first that could not look for
+    want of a file descriptor (``unseen``: whatever it raised, an OSError or a ConfigError
+    made of one, when fdlimit.exhausted says so)."""
     res = PreflightResult()
     for check in checks:
-        check(cfg, res)
+        try:
+            check(cfg, res)
+        except Exception as e:
+            res.unseen = fdlimit.no_file(e)
+            if res.unseen is None:
+                raise
+            break
         if res.fatal is not None:
             break
     return res

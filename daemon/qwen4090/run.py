@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from qwen4090 import steptime, vllmfacts, warmup
+from qwen4090 import fdlimit, steptime, vllmfacts, warmup
 from qwen4090.config import Config, WatchConfig
 from qwen4090.contracts import (
     ChildLike,
@@ -389,7 +389,7 @@ class Run:
             # already failing: the window keeps running while this probe has no answer either
             self.health_failing(now, poll.started, f"no answer within {timeout:g}s", w, out)
             return
-        if health is not None and not health.ok:
+        if health is not None and not health.ok and not health.unseen:
             self.health_failing(now, poll.started, health.error, w, out)
             return
         sent = poll.job.metrics_sent
@@ -419,6 +419,9 @@ class Run:
         (issue 20.5: vLLM's gauges can read 0 on a wedged engine)."""
         out = _Verdicts(state)
         health, metrics = res
+        if health.unseen:  # not asked (no file descriptor left): no word on vLLM
+            fdlimit.PRESSURE.note("vLLM's /health", health.error)
+            return out.out
         if health.ok and stranger is not None:
             health = HealthResult(False, health.status, health.seconds,
                                   f"port answered by {stranger}, not by our vLLM")
@@ -460,6 +463,9 @@ class Run:
         before, result, after = res
         if result.ok:
             self.log.debug("canary_ok", ms=round(result.seconds * 1000, 1))
+            return None
+        if result.unseen:  # not sent (no file descriptor left): no word on vLLM
+            fdlimit.PRESSURE.note("vLLM's canary", result.error)
             return None
         b = _progress_of(before) if before.ok else None
         a = _progress_of(after) if after.ok else None

@@ -282,12 +282,15 @@ class Keeper:
         """Spawn the standby on ``port`` with the serving engine's settings (and KV budget)."""
         launch = launch_mod.on_port(chosen, port)
         try:
+            # the probe first: its key file read may fail too (no file descriptor left), and a
+            # spawned child without a Run would be nobody's to stop
+            probe = self.make_probe(launch.config)
             child = self.spawn(launch)
         except Exception as e:  # OSError, ConfigError: the build failed, serving goes on
             self.build_failed(now, f"cannot start the standby: {safe_error(e)}")
             return
-        self.run = Run(child, self.make_probe(launch.config), launch, now,
-                       launch.config.watch, self.log, self.submit, self.clock)
+        self.run = Run(child, probe, launch, now, launch.config.watch, self.log, self.submit,
+                       self.clock)
         self.phase, self.since = Phase.STARTING, now
         self.log.info("standby_spawned", pid=child.pid, port=port, argv=" ".join(launch.argv))
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import signal
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from qwen4090 import states, statusline
+from qwen4090 import fdlimit, states, statusline
 from qwen4090.config import Config, ConfigError, changed_sections
 from qwen4090.contracts import (
     ChildLike,
@@ -73,6 +74,7 @@ IDLE_TICK = 0.5
 WAIT_TICK = 0.2
 LAST_LINES_TICK = 0.02  # vLLM's last lines: the pipes end milliseconds after its group
 ENGINE_TICK = 0.2  # while serving: how soon a dead EngineCore is seen (a /proc read per look)
+FD_RETRY = 2.0  # a preflight that found no file descriptor to look with runs again this soon
 
 
 class Supervisor:
@@ -115,6 +117,10 @@ class Supervisor:
         self.waking = False  # the standby is being woken and checked (state RESTARTING)
         self.fell_back = False  # ... and failed: its group is stopped, then a normal restart
         self.failover_pending = False  # the failed group is gone: wake once the GPU let go
+        # A look that found no file descriptor (fdlimit.py): said once per burst, and the
+        # preflight that could not look runs again at look_again_at, not counted.
+        self.pressure = fdlimit.PRESSURE
+        self.look_again_at: float | None = None
 
     # --- public surface ------------------------------------------------------------------
 
@@ -173,7 +179,7 @@ class Supervisor:
             waits.append(WAIT_TICK)
         if self.state in states.SERVING_STATES:
             waits.append(ENGINE_TICK)  # a dead EngineCore is seen within it (Run.watch)
-        due = [] if self.restart_at is None else [self.restart_at]
+        due = [t for t in (self.restart_at, self.look_again_at) if t is not None]
         if run is not None:
             due += run.deadlines(self.state, self.cfg.watch)
         # A deadline already passed was acted on (or is waited for by polling), except a
@@ -185,15 +191,27 @@ class Supervisor:
     def step(self, now: float | None = None) -> None:
         now = self.p.clock() if now is None else now
         before = self.state
-        self.handle_signals(now)
-        self.handle_reports(now)
-        self.harvest(now)
-        self.reap(now)
-        self.handle_engine_deaths(now)
-        self.step_standby(now)
-        getattr(self, f"step_{self.state.value}")(now)
-        self.heartbeat(now)
+        for part in (self.handle_signals, self.handle_reports, self.harvest, self.reap,
+                     self.handle_engine_deaths, self.step_standby, self.step_state,
+                     self.heartbeat):
+            self.step_safely(now, part)
         self.moved = self.state is not before
+
+    def step_state(self, now: float) -> None:
+        getattr(self, f"step_{self.state.value}")(now)
+
+    def step_safely(self, now: float, part: Callable[[float], None]) -> None:
+        """One named step.  One that found no file descriptor to look with (the front's
+        clients hold them all) is left for the next step, said once per burst: never the
+        loop's end (cli's internal_error, exit 70), and the heartbeat still beats.  The looks
+        themselves say "cannot tell" (child.py, instance.py, preflight.py); this is the net
+        under them."""
+        try:
+            part(now)
+        except Exception as e:
+            if not fdlimit.exhausted(e):
+                raise
+            self.pressure.note(f"the loop's {part.__name__} ({self.state.value})", e)
 
     def snapshot(self) -> dict[str, Any]:
         """Facts for status output (JSON-friendly): /status, `qwen4090 status`, the page."""
@@ -502,6 +520,24 @@ class Supervisor:
     # --- per-state steps -----------------------------------------------------------------
 
     def step_preflight(self, now: float) -> None:
+        if self.look_again_at is not None:
+            if now < self.look_again_at:
+                return
+            self.look_again_at = None
+        try:
+            self.preflight_and_spawn(now)
+        except Exception as e:
+            # A look that found no file descriptor (the front's clients hold them): no
+            # verdict, not counted; the preflight runs again in FD_RETRY (issue 28.3).
+            if not fdlimit.exhausted(e):
+                raise
+            self.could_not_look(now, "the preflight", e)
+
+    def could_not_look(self, now: float, where: str, e: BaseException) -> None:
+        self.pressure.note(where, e)
+        self.look_again_at = now + FD_RETRY
+
+    def preflight_and_spawn(self, now: float) -> None:
         if self.port.holder:
             held = self.port.look_again(now, self.engine_cfg, self.p.ports)
             if isinstance(held, ExitVerdict):
@@ -510,6 +546,9 @@ class Supervisor:
                 return
         chosen = self.p.gpu.launch(self.cfg)
         res = self.p.gpu.preflight(chosen)
+        if res.unseen is not None:
+            self.could_not_look(now, "the preflight", res.unseen)
+            return
         for w in res.warnings:
             self.log.warning("preflight_warning", detail=w)
         if res.fatal is not None:
@@ -522,17 +561,24 @@ class Supervisor:
             self.fail(now, ExitVerdict(Cause.PREFLIGHT, res.transient, True))
             return
         try:
+            # the probe first: its key file read may find no file descriptor either, and a
+            # spawned child without a Run would be nobody's to stop
+            probe = self.p.make_probe(chosen.config)
             child = self.p.spawn(chosen)
         except ConfigError as e:
+            if fdlimit.exhausted(e):
+                raise  # could not read the key file: says nothing of it (step_preflight)
             self.give_up(now, EX_CONFIG, str(e))
             return
         except OSError as e:
+            if fdlimit.exhausted(e):
+                raise  # no pipe for vLLM's output: says nothing of vllm.command
             err = ConfigError(self.cfg.sources[0] if self.cfg.sources else None,
                               "vllm.command", f"cannot start {self.cfg.vllm.command[0]}: "
                                               f"{e.strerror or e}")
             self.give_up(now, EX_CONFIG, str(err))
             return
-        self.run = Run(child, self.p.make_probe(chosen.config), chosen, now, self.cfg.watch,
+        self.run = Run(child, probe, chosen, now, self.cfg.watch,
                        self.log, lambda fn: self.p.executor.submit(fn), self.p.clock,
                        warnings=len(res.warnings))
         self.launch = chosen

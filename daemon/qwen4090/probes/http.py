@@ -1,7 +1,10 @@
 """HTTP probes of vLLM's server: /health, /metrics, and a streamed completion (canary, warmup).
 
 Each probe returns a result object and never raises: a timeout, a refused connection or a bad
-answer is a result with ``ok=False`` and an ``error`` a human can read.  Standard library only.
+answer is a result with ``ok=False`` and an ``error`` a human can read.  A probe that could not
+even ask, for want of a file descriptor (EMFILE: the front's clients hold them all), says so
+with ``unseen=True``: that is no word on vLLM, and the judges take it as none (issue 28.3).
+Standard library only.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from qwen4090.fdlimit import exhausted
 from qwen4090.redact import safe_error
 from qwen4090.vllmfacts import GENERATION_TOKENS as GENERATION_TOKENS  # re-exported for tests
 from qwen4090.vllmfacts import PROBE_MARKER, local_host
@@ -27,6 +31,7 @@ class HealthResult:
     status: int | None
     seconds: float
     error: str = ""
+    unseen: bool = False  # not asked: no file descriptor left (no word on vLLM)
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class MetricsResult:
     seconds: float = 0.0
     error: str = ""
     timed_out: bool = False  # no answer in time (a stopped or stuck API server)
+    unseen: bool = False  # not asked: no file descriptor left (no word on vLLM)
 
     def get(self, name: str, default: float = 0.0) -> float:
         return self.values.get(name, default)
@@ -51,6 +57,7 @@ class CompletionResult:
     finish_reason: str | None = None
     timed_out: bool = False  # no answer in time (as opposed to an error answer)
     text: str = ""  # the answer's text (greedy: the same weights give the same text)
+    unseen: bool = False  # not asked: no file descriptor left (no word on vLLM)
 
 
 class ProbeLike(Protocol):
@@ -99,7 +106,8 @@ class VllmProbe:
         try:
             status, _ = self._get("/health", timeout)
         except Exception as e:  # never raise; e's text may hold a header: _why is safe
-            return HealthResult(False, None, self.clock() - start, _why(e, timeout))
+            return HealthResult(False, None, self.clock() - start, _why(e, timeout),
+                                unseen=exhausted(e))
         ok = status == 200
         return HealthResult(ok, status, self.clock() - start, "" if ok else f"HTTP {status}")
 
@@ -116,7 +124,8 @@ class VllmProbe:
             finally:
                 conn.close()
         except Exception as e:  # never raise; e's text may hold a header: _why is safe
-            return HealthResult(False, None, self.clock() - start, _why(e, timeout))
+            return HealthResult(False, None, self.clock() - start, _why(e, timeout),
+                                unseen=exhausted(e))
         ok = status == 200
         return HealthResult(ok, status, self.clock() - start, "" if ok else
                             f"HTTP {status}: {_error_text(body.decode('utf-8', 'replace'))}")
@@ -128,7 +137,8 @@ class VllmProbe:
             body = raw.decode("utf-8", "replace")
         except Exception as e:  # never raise; e's text may hold a header: _why is safe
             return MetricsResult(False, {}, self.clock() - start, _why(e, timeout),
-                                 timed_out=isinstance(e, (socket.timeout, TimeoutError)))
+                                 timed_out=isinstance(e, (socket.timeout, TimeoutError)),
+                                 unseen=exhausted(e))
         if status != 200:
             return MetricsResult(False, {}, self.clock() - start, f"HTTP {status}")
         return MetricsResult(True, parse_prometheus(body), self.clock() - start)
@@ -194,7 +204,8 @@ class VllmProbe:
                 conn.close()
         except Exception as e:  # e.g. UnicodeEncodeError holding the Authorization header
             return CompletionResult(False, ttft, self.clock() - start, tokens, _why(e, timeout),
-                                    timed_out=isinstance(e, (socket.timeout, TimeoutError)))
+                                    timed_out=isinstance(e, (socket.timeout, TimeoutError)),
+                                    unseen=exhausted(e))
         seconds = self.clock() - start
         if ttft is None:
             return CompletionResult(False, None, seconds, tokens, "stream ended without a token",
