@@ -49,6 +49,7 @@ from qwen4090.policy import (
     engine_dead_verdict,
     hang_timeout_risk,
 )
+from qwen4090.probes.http import Patient
 from qwen4090.redact import safe_error
 from qwen4090.states import State
 from qwen4090.vllmfacts import RUNNING, WAITING
@@ -232,7 +233,8 @@ class Run:
             self.warmup_progress = msg
             self.last_warmup_step = self.clock()
 
-        self.submit(now, "warmup", lambda: warmup(cfg, probe, progress))
+        # a warmup request that finds no file descriptor is sent again, not a failed warmup
+        self.submit(now, "warmup", lambda: warmup(cfg, Patient(probe), progress))
 
     def warmed(self, res: WarmupResult, cfg: Config) -> ExitVerdict | None:
         """The warmup's result, said in the journal: a failure's verdict, or None (READY).

@@ -38,6 +38,7 @@ from qwen4090.contracts import (
     ProbeLike,
 )
 from qwen4090.policy import Cause, ExitVerdict
+from qwen4090.probes.http import Patient
 from qwen4090.redact import safe_error
 from qwen4090.run import Fail, Move, Run
 from qwen4090.states import State
@@ -489,12 +490,14 @@ class Keeper:
                 "detail": self.detail}
 
 
+# Each a verdict when it fails (a lost standby, a serving engine that did not wake): asked
+# again while no file descriptor is left to ask with (probes.http.Patient, issue 28.3).
 def control_job(probe: ProbeLike, path: str, timeout: float) -> Callable[[], HealthResult]:
-    return lambda: probe.control(path, timeout)
+    return lambda: Patient(probe).control(path, timeout)
 
 
 def check_job(probe: ProbeLike, timeout: float) -> Callable[[], CompletionResult]:
-    return lambda: probe.complete(list(CHECK_PROMPT), CHECK_TOKENS, timeout)
+    return lambda: Patient(probe).complete(list(CHECK_PROMPT), CHECK_TOKENS, timeout)
 
 
 def answered(res: CompletionResult, known: str | None) -> str:

@@ -352,3 +352,59 @@ def test_other_errors_still_end_the_loop() -> None:
     h = Harness(preflight=lambda launch: (_ for _ in ()).throw(OSError(errno.EIO, "I/O")))
     with pytest.raises(OSError):
         h.sup.step()
+
+
+# --- the one-shot questions: asked again while no file descriptor is left ----------------------
+
+
+class Starved:
+    """A probe that cannot ask ``unseen`` times, then answers; its clock moves with sleeps."""
+
+    def __init__(self, unseen: int) -> None:
+        self.unseen = unseen
+        self.t = 0.0
+        self.asked: list[float] = []  # the timeout of each try
+
+    def sleep(self, seconds: float) -> None:
+        self.t += seconds
+
+    def control(self, path: str, timeout: float) -> HealthResult:
+        self.asked.append(timeout)
+        if len(self.asked) <= self.unseen:
+            return HealthResult(False, None, 0.0, "OSError: [Errno 24] Too many open files",
+                                unseen=True)
+        return HealthResult(True, 200, 0.01)
+
+    def complete(self, prompt: Any, max_tokens: int, timeout: float) -> CompletionResult:
+        self.asked.append(timeout)
+        if len(self.asked) <= self.unseen:
+            return CompletionResult(False, None, 0.0, 0, "OSError: [Errno 24]", unseen=True)
+        return CompletionResult(True, 0.01, 0.02, 1, text="ok")
+
+
+def test_a_patient_probe_asks_again_within_the_timeout() -> None:
+    from qwen4090.probes.http import UNSEEN_RETRY, Patient
+
+    p = Starved(unseen=3)
+    res = Patient(p, clock=lambda: p.t, sleep=p.sleep).control("/wake_up", 10.0)  # type: ignore[arg-type]
+    assert res.ok and len(p.asked) == 4 and p.t == 3 * UNSEEN_RETRY
+    assert p.asked[0] == 10.0 and p.asked[-1] == pytest.approx(10.0 - 3 * UNSEEN_RETRY)
+
+
+def test_a_patient_probe_gives_up_with_its_timeout() -> None:
+    from qwen4090.probes.http import Patient
+
+    p = Starved(unseen=1000)
+    res = Patient(p, clock=lambda: p.t, sleep=p.sleep).complete([1], 1, 3.0)  # type: ignore[arg-type]
+    assert not res.ok and res.unseen and p.t <= 3.0
+
+
+def test_the_wake_of_a_sleeping_engine_is_asked_again_not_failed(monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    from qwen4090 import standby
+    from qwen4090.probes import http
+
+    p = Starved(unseen=2)
+    monkeypatch.setattr(http.time, "sleep", p.sleep)
+    assert standby.control_job(p, "/wake_up", 30.0)().ok  # type: ignore[arg-type]
+    assert standby.check_job(Starved(unseen=2), 30.0)().ok  # type: ignore[arg-type]

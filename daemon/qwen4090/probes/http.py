@@ -15,7 +15,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from qwen4090.fdlimit import exhausted
 from qwen4090.redact import safe_error
@@ -214,6 +214,44 @@ class VllmProbe:
             return CompletionResult(False, ttft, seconds, tokens, "request aborted by vLLM",
                                     finish)
         return CompletionResult(True, ttft, seconds, tokens, "", finish, text="".join(pieces))
+
+
+UNSEEN_RETRY = 0.5  # seconds between tries of a Patient probe while no file descriptor is left
+Result = TypeVar("Result", HealthResult, MetricsResult, CompletionResult)
+
+
+class Patient:
+    """A probe that asks again while it could not ask (``unseen``: no file descriptor left),
+    within each call's own timeout: for the one-shot questions whose failure is a verdict (the
+    warmup's requests, the standby's checks, a sleeping engine's wake), where a poll is simply
+    sent again at its next interval.  Sleeps on the job's thread, never on the loop's."""
+
+    def __init__(self, probe: ProbeLike, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.probe = probe
+        self.clock = clock
+        self.sleep = sleep
+
+    def _again(self, ask: Callable[[float], Result], timeout: float) -> Result:
+        end = self.clock() + timeout
+        res = ask(timeout)
+        while res.unseen and (left := end - self.clock()) > UNSEEN_RETRY:
+            self.sleep(UNSEEN_RETRY)
+            res = ask(left - UNSEEN_RETRY)
+        return res
+
+    def health(self, timeout: float) -> HealthResult:
+        return self._again(self.probe.health, timeout)
+
+    def metrics(self, timeout: float) -> MetricsResult:
+        return self._again(self.probe.metrics, timeout)
+
+    def complete(self, prompt: Sequence[int] | str, max_tokens: int, timeout: float
+                 ) -> CompletionResult:
+        return self._again(lambda t: self.probe.complete(prompt, max_tokens, t), timeout)
+
+    def control(self, path: str, timeout: float) -> HealthResult:
+        return self._again(lambda t: self.probe.control(path, t), timeout)
 
 
 def _why(e: BaseException, timeout: float) -> str:
