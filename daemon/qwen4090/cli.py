@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import signal
 import threading
 import time
@@ -395,7 +394,7 @@ def reload_fanout(sup: Supervisor, gpu: GpuParts, api: httpapi.StatusApi,
 
 def front_limits(cfg: Config) -> frontlimits.Limits:
     """[front]'s limits, the connection cap kept below the file limit now in force."""
-    return frontlimits.limits_of(cfg.front, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    return frontlimits.limits_of(cfg.front, fdlimit.soft_limit())
 
 
 # --- the command table and main -----------------------------------------------------------------

@@ -432,6 +432,8 @@ class Front:
             self.shedding.count_rejected("unauthorized")
             return _error(401, "a valid API key is needed: send Authorization: Bearer <key>",
                           "invalid_api_key", close=True)
+        if (request.content_length or 0) > self.limits.max_body:
+            return self._too_large(self.limits)  # a client's error, said before any wait
         if not self._open and self._holding >= self.limits.max_held:
             return self._shed_held()
         rid = next(self._ids)

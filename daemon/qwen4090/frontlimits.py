@@ -36,12 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qwen4090.config import FrontConfig
+from qwen4090.fdlimit import FD_RESERVE  # the files kept for the supervisor's own work
 
 MIB = 1 << 20
-# Files the supervisor keeps for its own work whatever clients do: vLLM's pipes and those of
-# a standby, /proc reads, the status endpoint's scrapes, NVML, the journal, the instance lock.
-# Measured: a serving supervisor with a standby holds about 60; four times that.
-FD_RESERVE = 256
 # Each client connection may hold two files: its own socket and one to vLLM.
 FDS_PER_CONNECTION = 2
 # Refused connections are kept open a moment to read what the client sent (a close with

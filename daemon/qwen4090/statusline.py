@@ -78,6 +78,8 @@ def render(f: Facts, note: str = "") -> str:
     if f.front is not None and f.front.holding and s not in SERVING_STATES \
             and s != S.STOPPING:
         line += f"; {f.front.holding} request{'s' if f.front.holding > 1 else ''} held"
+    if f.front is not None and f.front.shedding:  # a [front] limit refuses clients
+        line += f"; {f.front.shedding}"
     return f"{line}; {note}" if note else line
 
 

@@ -195,7 +195,8 @@ class Daemon(Proc):
 
     def __init__(self, config_path: Path, tmp: Path, *, port: int = 0,
                  own_runtime_dir: bool = True, log_path: Path | None = None,
-                 cwd: Path | None = None) -> None:
+                 cwd: Path | None = None, nofile: tuple[int, int] | None = None) -> None:
+        """``nofile``: the daemon starts with this (soft, hard) RLIMIT_NOFILE (prlimit)."""
         self.config_path, self.tmp = config_path, tmp
         self.port = port  # vLLM's, for the test's clients (0: not said)
         self.notify_path = str(tmp / f"notify-{os.getpid()}-{time.monotonic_ns()}.sock")
@@ -208,8 +209,9 @@ class Daemon(Proc):
         extra = {"NOTIFY_SOCKET": self.notify_path}
         if own_runtime_dir:
             extra["RUNTIME_DIRECTORY"] = str(tmp)
-        super().__init__([sys.executable, "-m", "qwen4090", "run", "--config", str(config_path)],
-                         log_path, daemon_env(extra), cwd)
+        limit = [] if nofile is None else ["prlimit", f"--nofile={nofile[0]}:{nofile[1]}", "--"]
+        super().__init__([*limit, sys.executable, "-m", "qwen4090", "run", "--config",
+                          str(config_path)], log_path, daemon_env(extra), cwd)
         self._threads.append(threading.Thread(target=self._read_notify, daemon=True))
         self.start()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from tests.support.attacks import spellings
 
 from qwen4090 import clientpath
 from qwen4090.clientpath import Refusal, Route, decide
@@ -15,24 +16,6 @@ ENGINE_ONLY = ["/sleep", "/wake_up", "/is_sleeping", "/pause", "/resume", "/is_p
                "/collective_rpc", "/server_info", "/reset_prefix_cache", "/abort_requests",
                "/start_profile", "/update_weights", "/v1/load_lora_adapter", "/openapi.json",
                "/docs"]
-
-
-def spellings(path: str) -> list[str]:
-    """Ways a client may write ``path`` hoping that something on the way rewrites it."""
-    name = path.lstrip("/")
-    head, _, tail = name.rpartition("/")
-    enc = "".join(f"%{ord(c):02x}" for c in name[:2]) + name[2:]
-    out = [
-        path, f"/.{path}", f"/./{name}", f"/v1/..{path}", f"/v1/%2e%2e{path}", f"/%2e{path}",
-        f"/v1/%2E%2E{path}", f"//{name}", f"{path}/", f"{path}//", f"/{enc}",
-        f"/{name.upper()}", f"{path}?mode=abort", f"/./{name}?level=1", f"/x/../{name}",
-        f"/v1%2f..%2f{name}", f"/v1/..%2f{name}", f"/v1\\..\\{name}", f"/{name}%00",
-        f"/{name}#frag", f"http://127.0.0.1{path}", f"/{name}%2",
-        f"/%252e%252e{path}", f"/v1/./../{name}", f"{path};x", f"{path}/.",
-    ]
-    if head:
-        out.append(f"/{head}//{tail}")
-    return out
 
 
 @pytest.mark.parametrize("path", ENGINE_ONLY)

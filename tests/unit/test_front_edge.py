@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from tests.support.fakes import Log
-from tests.unit.test_front import Later, Upstream, make_front, request, upstream, wait_until
+from tests.support.upstream import Later, Upstream, make_front, request, upstream, wait_until
 
 from qwen4090.config import FrontConfig
 from qwen4090.front import Front
@@ -275,3 +275,20 @@ def _free() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_status_says_while_a_limit_refuses_clients() -> None:
+    from qwen4090 import statusline
+    from qwen4090.config import VllmConfig
+    from qwen4090.front import FrontSample
+    from qwen4090.states import State
+
+    def line(shedding: str) -> str:
+        front = FrontSample(0, 0, 0, 0.0, 0, True, False, shedding=shedding)
+        return statusline.render(statusline.Facts(
+            State.READY, "warmed up", 5.0, VllmConfig(), 0, None, 1, 5.0, "", None, "", 0, 3,
+            "", "127.0.0.1:8000", "", front=front))
+
+    assert "refusing" not in line("")
+    assert line("refusing clients: 7 over front.max_connections").endswith(
+        "; refusing clients: 7 over front.max_connections")
