@@ -264,6 +264,9 @@ class Front:
         app.router.add_route("*", "/{tail:.*}", self._handle)
         kwargs: dict[str, Any] = {"access_log": None, "logger": self._http_log,
                                   "max_headers": MAX_HEADERS,
+                                  # a body passes as sent: a gzip bomb is not inflated here
+                                  # (and not forwarded inflated under its Content-Encoding)
+                                  "auto_decompress": False,
                                   # idle connections: Doors.sweep closes them sooner
                                   "keepalive_timeout": 75.0}
         if _version(aiohttp.__version__) >= (3, 9):

@@ -55,7 +55,7 @@ class Upstream:
         asyncio.set_event_loop(self.loop)
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self.handle)
-        self.runner = web.AppRunner(app)
+        self.runner = web.AppRunner(app, auto_decompress=False)  # bodies as the front sent them
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", self.port)
         self.loop.run_until_complete(site.start())
@@ -70,8 +70,11 @@ class Upstream:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        doc = json.loads(body) if body else {}
-        self.seen.append({"path": request.path, "raw": request.raw_path,
+        try:
+            doc = json.loads(body) if body else {}
+        except ValueError:
+            doc = {}
+        self.seen.append({"path": request.path, "raw": request.raw_path, "raw_body": body,
                           "auth": request.headers.get("Authorization"),
                           "body": doc, "peer": request.transport.get_extra_info("peername")
                           if request.transport is not None else None})

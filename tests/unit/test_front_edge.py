@@ -4,6 +4,7 @@ against the real CPU vLLM under the real supervisor: tests/integration/test_edge
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import re
@@ -17,8 +18,9 @@ from tests.support.fakes import Log
 from tests.support.upstream import Later, Upstream, make_front, request, upstream, wait_until
 
 from qwen4090.config import FrontConfig
+from qwen4090.fdlimit import FD_RESERVE
 from qwen4090.front import Front
-from qwen4090.frontlimits import FD_RESERVE, LINGER_MAX, Limits, LineQuota, limits_of
+from qwen4090.frontlimits import LINGER_MAX, LINGER_MIN, Limits, LineQuota, limits_of
 
 __all__ = ["upstream"]  # the fixture, imported for pytest
 
@@ -186,12 +188,30 @@ def test_request_bodies_in_memory_are_bounded_in_all_and_each(upstream: Upstream
         f.stop()
 
 
+def test_a_compressed_body_passes_as_sent_and_is_never_inflated(upstream: Upstream) -> None:
+    bomb = gzip.compress(b"0" * (8 << 20))  # 8 MiB of zeros in about 8 KiB
+    f = make_front(upstream, max_body=1 << 20, body_budget=1 << 20)
+    try:
+        status, _, _ = call(f.listen[1], "POST", "/v1/completions", bomb,
+                            {"Content-Encoding": "gzip"})
+        assert status == 200  # the stand-in engine does not read JSON from it
+        assert upstream.seen[-1]["raw_body"] == bomb
+    finally:
+        f.stop()
+
+
 def test_the_connection_cap_stays_below_the_file_limit() -> None:
     f = FrontConfig(max_connections=1024)
-    assert limits_of(f, 65536).max_connections == 1024
+    shipped = limits_of(f, 65536)
+    assert shipped.max_connections == 1024 and shipped.linger_max == LINGER_MAX
     small = limits_of(f, 1024)
-    assert small.max_connections == (1024 - FD_RESERVE - LINGER_MAX) // 2
+    assert small.max_connections == (1024 - FD_RESERVE - LINGER_MIN) // 2
     assert small.configured_connections == 1024 and small.fd_limit == 1024
+    assert small.linger_max == LINGER_MIN
+    # every file is counted: the cap's two per connection, the linger's one, the reserve
+    for limit in (400, 1024, 4096, 65536):
+        lim = limits_of(f, limit)
+        assert 2 * lim.max_connections + lim.linger_max + FD_RESERVE <= limit, limit
     assert limits_of(f, None).max_connections == 1024
 
 
