@@ -287,7 +287,9 @@ def loop(sup: Supervisor, api: httpapi.StatusApi, notifier: Notifier, wake: sign
         for pid, code in child.reap_adopted(child.OWN.pids()):
             log.info("orphan_reaped", pid=pid, code=code)
         api.beat()
-        if (took := time.monotonic() - began) > LOOP_STALL:
+        took = time.monotonic() - began
+        api.steps.observe(took)  # qwen4090_loop_step_seconds
+        if took > LOOP_STALL:
             log.warning("loop_stalled", seconds=round(took, 1), state=sup.state.value,
                         notify_pending=notifier.pending)
         # sd_notify never blocks the loop: what systemd has not taken yet goes out soon

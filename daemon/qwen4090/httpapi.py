@@ -13,9 +13,11 @@ lasts, and it is also what a client would see as errors or stalls.
 
 from __future__ import annotations
 
+import bisect
 import html
 import http.server
 import json
+import math
 import os
 import re
 import socket
@@ -33,6 +35,7 @@ from prometheus_client import (
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
 )
@@ -47,6 +50,10 @@ from qwen4090.states import State
 
 # /livez fails when the supervisor's loop has not stepped for this long (it steps every <= 0.5 s).
 LOOP_STALL_SECONDS = 15.0
+# qwen4090_loop_step_seconds: fine up to the 0.5 s a step may take under client load (issue
+# 28.5), coarse above it (cli.LOOP_STALL says the steps past 2 s in the journal as well).
+LOOP_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0,
+                     10.0, math.inf)
 # vLLM's gauges and counters worth re-exporting (from the supervisor's own /metrics poll).
 VLLM_GAUGES = vllmfacts.SHOWN_GAUGES
 VLLM_COUNTERS = vllmfacts.SHOWN_COUNTERS
@@ -139,6 +146,43 @@ class Telemetry:
 
 def _round(x: float | None, n: int = 3) -> float | None:
     return None if x is None else round(x, n)
+
+
+class StepTimes:
+    """How long the supervisor's loop steps take (qwen4090_loop_step_seconds): a step that
+    takes long is a late watchdog, a late verdict and a late failover.
+
+    Only the loop's thread observes, the scrape threads copy: no lock, so a scrape can never
+    hold up the loop (a lock held by a thread that waits for the GIL would); a copy taken
+    between the two additions of one observation misses at most that one in its sum.
+    """
+
+    def __init__(self, buckets: tuple[float, ...] = LOOP_STEP_BUCKETS) -> None:
+        if buckets[-1] != math.inf:
+            raise ValueError("the last bucket must be +Inf")
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, seconds)] += 1
+        self.sum += seconds
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> list[Metric]:
+        return [self.family()]
+
+    def family(self) -> HistogramMetricFamily:
+        counts, total = list(self.counts), self.sum
+        cumulative, running = [], 0
+        for bound, n in zip(self.buckets, counts, strict=True):
+            running += n
+            cumulative.append(("+Inf" if bound == math.inf else repr(bound), running))
+        return HistogramMetricFamily(
+            "qwen4090_loop_step_seconds", "seconds one step of the supervisor's loop took "
+            "(its sleep not included)", buckets=cumulative, sum_value=total)
 
 
 # --- the facts, as one JSON document --------------------------------------------------------
@@ -548,8 +592,10 @@ class StatusApi:
         self.clock = clock
         self.log = log
         self.last_beat = clock()
+        self.steps = StepTimes()  # the loop observes each step (cli.loop)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(Collector(document))
+        self.registry.register(self.steps)
         # The supervisor's own CPU time and memory (the targets are <= 1% CPU, <= 60 MB RSS).
         ProcessCollector(registry=self.registry)
         self.server: _Server | None = None
