@@ -282,6 +282,8 @@ def loop(sup: Supervisor, api: httpapi.StatusApi, notifier: Notifier, wake: sign
     while not sup.done:
         began = time.monotonic()
         sup.step()
+        if sup.moved:  # /status shows a new state at once, not a render kept from before it
+            api.renders.forget()
         # As a subreaper we adopt vLLM's orphans (a killed API server's EngineCore): collect
         # their exit status, never that of a child a Popen of ours waits on (issue 18.3).
         for pid, code in child.reap_adopted(child.OWN.pids()):

@@ -4,7 +4,10 @@ It decides nothing.  It shows what the supervisor knows: the supervisor's snapsh
 effect, the last GPU sample and the last vLLM metrics poll, plus what it counted itself from the
 supervisor's events (restarts by cause, hang detections, time to ready).  It listens on its own
 address (``[status]``, default 127.0.0.1:8090), never on vLLM's port, and runs on daemon
-threads, so a stuck client can never hold up the supervisor's loop or its exit.
+threads, so a stuck client can never hold up the supervisor's loop or its exit.  What clients
+can cost it is bounded (issue 28.5): at most STATUS_CONNECTIONS threads (more connections get a
+503 at once), and /status, /metrics and the page rendered at most once per RENDER_TTL, shared by
+the scrapes that come meanwhile (the loop never renders, and never waits for a render).
 
 ``/readyz`` answers 200 only in READY.  DEGRADED (vLLM answers but /health fails or tokens stop
 flowing) is 503 on purpose: a balancer with another backend should move traffic away while it
@@ -54,6 +57,18 @@ LOOP_STALL_SECONDS = 15.0
 # 28.5), coarse above it (cli.LOOP_STALL says the steps past 2 s in the journal as well).
 LOOP_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0,
                      10.0, math.inf)
+# /status, /metrics and the page are rendered at most once per RENDER_TTL seconds and shared by
+# the scrapes that come meanwhile: eight clients scraping as fast as they can cost two renders a
+# second, not one per request (issue 28.5); a change of state is shown at once (Renders.forget).
+# /livez and /readyz are answered live.
+RENDER_TTL = 0.5
+CACHED_PATHS = ("/status", "/metrics", "/", "/index.html")
+# Connections served at once (a thread each); one more is answered 503 at once and closed, so a
+# storm of clients cannot grow the supervisor's threads without bound.  A refused client's
+# request is read for at most REFUSE_READ seconds first (closing on unread bytes would be a
+# reset, not an answer).
+STATUS_CONNECTIONS = 16
+REFUSE_READ = 0.1
 # vLLM's gauges and counters worth re-exporting (from the supervisor's own /metrics poll).
 VLLM_GAUGES = vllmfacts.SHOWN_GAUGES
 VLLM_COUNTERS = vllmfacts.SHOWN_COUNTERS
@@ -560,11 +575,49 @@ class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, addr: tuple[str, int], api: StatusApi) -> None:
+    def __init__(self, addr: tuple[str, int], api: StatusApi,
+                 connections: int = STATUS_CONNECTIONS) -> None:
         if ":" in addr[0]:
             self.address_family = socket.AF_INET6
         self.api = api
+        self.slots = threading.BoundedSemaphore(connections)
         super().__init__(addr, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread for the connection while a slot is free; else 503 from here (the listener's
+        thread), without a thread."""
+        if not self.slots.acquire(blocking=False):
+            self.api.refused += 1
+            refuse(request)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+_BUSY_TEXT = b"status endpoint busy: too many connections now, try again\n"
+BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+        b"Retry-After: 1\r\nCache-Control: no-store\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(_BUSY_TEXT), _BUSY_TEXT))
+
+
+def refuse(sock: socket.socket) -> None:
+    """The 503 of a connection over the bound: its request read (briefly), the answer sent."""
+    try:
+        sock.settimeout(REFUSE_READ)
+        sock.recv(65536)
+        sock.sendall(BUSY)
+    except OSError:
+        pass  # gone, or silent: it is closed all the same
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -587,15 +640,20 @@ class StatusApi:
     """The endpoint: owns the HTTP server thread and the metrics registry."""
 
     def __init__(self, document: Callable[[], dict[str, Any]],
-                 clock: Callable[[], float] = time.monotonic, log: Any = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, log: Any = None,
+                 connections: int = STATUS_CONNECTIONS) -> None:
         self.document = document
         self.clock = clock
+        self.connections = connections
         self.log = log
         self.last_beat = clock()
         self.steps = StepTimes()  # the loop observes each step (cli.loop)
+        self.renders = Renders(clock)
+        self.refused = 0  # connections answered 503: over STATUS_CONNECTIONS
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(Collector(document))
         self.registry.register(self.steps)
+        self.registry.register(_Refusals(self))
         # The supervisor's own CPU time and memory (the targets are <= 1% CPU, <= 60 MB RSS).
         ProcessCollector(registry=self.registry)
         self.server: _Server | None = None
@@ -606,7 +664,7 @@ class StatusApi:
         self.last_beat = self.clock()
 
     def start(self, host: str, port: int) -> None:
-        self.server = _Server((host, port), self)
+        self.server = _Server((host, port), self, self.connections)
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={
             "poll_interval": 0.5}, name="qwen4090-status", daemon=True)
         self.thread.start()
@@ -657,14 +715,15 @@ class StatusApi:
                     self._send(req, 503, f"{doc.get('state')}: {doc.get('state_reason')}\n",
                                head=head)
             elif path == "/status":
-                self._send(req, 200, json.dumps(self.document(), indent=1, default=str) + "\n",
+                self._send(req, 200, self.renders.get(path, lambda: (json.dumps(
+                    self.document(), indent=1, default=str) + "\n").encode()),
                            "application/json", head=head)
             elif path == "/metrics":
-                self._send(req, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST,
-                           head=head)
+                self._send(req, 200, self.renders.get(path, lambda: generate_latest(
+                    self.registry)), CONTENT_TYPE_LATEST, head=head)
             elif path in ("/", "/index.html"):
-                self._send(req, 200, render_html(self.document()), "text/html; charset=utf-8",
-                           head=head)
+                self._send(req, 200, self.renders.get("/", lambda: render_html(
+                    self.document()).encode()), "text/html; charset=utf-8", head=head)
             else:
                 self._send(req, 404, "not found: try /, /status, /metrics, /livez, /readyz\n",
                            head=head)
@@ -687,6 +746,51 @@ class StatusApi:
         req.end_headers()
         if not head:
             req.wfile.write(data)
+
+
+class Renders:
+    """Answers rendered at most once per ``ttl`` and shared: a scrape that comes while one is
+    rendered waits for it and takes it.  Renders happen one at a time, on the scrapes' threads
+    (never the loop's), so a storm of scrapes costs one render a ``ttl``, not one each.  A new
+    state is shown at once: the loop calls :meth:`forget` after a step that changed it."""
+
+    def __init__(self, clock: Callable[[], float], ttl: float = RENDER_TTL) -> None:
+        self.clock = clock
+        self.ttl = ttl
+        self.count = 0  # renders done (tests)
+        self.generation = 0  # bumped by forget()
+        self._lock = threading.Lock()
+        self._kept: dict[str, tuple[float, int, bytes]] = {}
+
+    def forget(self) -> None:
+        """What was rendered is not shown again.  Called on the loop's thread: no lock (one
+        held by a scrape's thread that waits for the GIL would hold up the loop)."""
+        self.generation += 1
+
+    def get(self, key: str, render: Callable[[], bytes]) -> bytes:
+        with self._lock:
+            kept = self._kept.get(key)
+            if kept is not None and kept[1] == self.generation \
+                    and 0 <= self.clock() - kept[0] < self.ttl:
+                return kept[2]
+            generation = self.generation
+            body = render()  # an exception: the scrape's 500, nothing kept
+            self.count += 1
+            self._kept[key] = (self.clock(), generation, body)
+            return body
+
+
+class _Refusals:
+    def __init__(self, api: StatusApi) -> None:
+        self.api = api
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> list[Metric]:
+        return [CounterMetricFamily(
+            "qwen4090_status_refused", "connections to the status endpoint answered 503: "
+            f"more than {STATUS_CONNECTIONS} at once", value=float(self.api.refused))]
 
 
 class StatusSource(Protocol):

@@ -1,9 +1,16 @@
-"""Issue 28.5, the loop is never starved: its step times on /metrics, and the bench's reading
-of the histogram (bench/loop_steps.py)."""
+"""Issue 28.5, the loop is never starved: its step times on /metrics, what scrapes may cost the
+supervisor (one render shared by concurrent scrapes, a bound on connections), and the bench's
+reading of the histogram (bench/loop_steps.py)."""
 
 from __future__ import annotations
 
+import http.client
 import math
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from bench import loop_steps
@@ -11,7 +18,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from tests.support.fakes import Clock, Log
 
-from qwen4090 import cli
+from qwen4090 import cli, httpapi
 from qwen4090.httpapi import StatusApi, StepTimes
 
 DEADLINE = 10.0  # seconds any wait on the test server may take (never reached when it works)
@@ -49,6 +56,7 @@ class OneStepSup:
     def __init__(self, steps: int) -> None:
         self.left = steps
         self.state = cli.State.READY
+        self.moved = False
 
     @property
     def done(self) -> bool:
@@ -56,6 +64,7 @@ class OneStepSup:
 
     def step(self) -> None:
         self.left -= 1
+        self.moved = self.left == 1  # the second step changes the state
 
     def next_wakeup(self, now: float) -> float:
         return 0.0
@@ -73,11 +82,128 @@ class NoWait:
         pass
 
 
-def test_the_loop_observes_every_step() -> None:
+def test_the_loop_observes_every_step_and_forgets_renders_at_a_new_state() -> None:
     api = StatusApi(lambda: {}, log=Log())
     cli.loop(OneStepSup(3), api, Flushed(), NoWait(), Log())  # type: ignore[arg-type]
     assert sum(api.steps.counts) == 3
     assert step_family(generate_latest(api.registry).decode())["count"] == 3
+    assert api.renders.generation == 1
+
+
+# --- what scrapes cost ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[StatusApi, list[int]]]:
+    """An endpoint on a free loopback port whose document counts its renders; its clock stands
+    still, so every scrape falls within one RENDER_TTL."""
+    calls = [0]
+
+    def document() -> dict[str, Any]:
+        calls[0] += 1
+        return {"state": "ready", "ready": True, "n": calls[0]}
+
+    api = StatusApi(document, clock=Clock(), log=Log(), connections=2)
+    api.start("127.0.0.1", 0)
+    try:
+        yield api, calls
+    finally:
+        api.stop()
+
+
+def get(api: StatusApi, path: str) -> tuple[int, bytes]:
+    host, port = api.address
+    conn = http.client.HTTPConnection(host, port, timeout=DEADLINE)
+    try:
+        conn.request("GET", path)
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def test_concurrent_scrapes_share_one_render(served: tuple[StatusApi, list[int]]) -> None:
+    api, calls = served
+    bodies: list[bytes] = []
+
+    def scrape() -> None:
+        for path in ("/status", "/metrics", "/"):
+            code, body = get(api, path)
+            assert code == 200
+            if path == "/status":
+                bodies.append(body)
+
+    threads = [threading.Thread(target=scrape) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE)
+    scrape()
+    assert len(bodies) == 3 and len(set(bodies)) == 1
+    assert api.renders.count == 3  # /status, /metrics and the page: once each
+    assert calls[0] == 3  # the document once for each of them, not once per scrape
+
+
+def test_a_render_is_kept_only_for_its_ttl() -> None:
+    clock = Clock()
+    renders = httpapi.Renders(clock, ttl=1.0)
+    made = iter(range(10))
+    assert renders.get("/status", lambda: b"%d" % next(made)) == b"0"
+    clock.t += 0.9
+    assert renders.get("/status", lambda: b"%d" % next(made)) == b"0"
+    assert renders.get("/metrics", lambda: b"%d" % next(made)) == b"1"
+    clock.t += 0.2
+    assert renders.get("/status", lambda: b"%d" % next(made)) == b"2"
+
+
+def test_a_new_state_is_rendered_at_once() -> None:
+    renders = httpapi.Renders(Clock(), ttl=1.0)
+    assert renders.get("/status", lambda: b"ready") == b"ready"
+    assert renders.get("/status", lambda: b"restarting") == b"ready"
+    renders.forget()
+    assert renders.get("/status", lambda: b"restarting") == b"restarting"
+
+
+def test_a_failed_render_is_a_500_and_is_not_kept(served: tuple[StatusApi, list[int]]) -> None:
+    api, _ = served
+    good = api.document
+
+    def boom() -> dict[str, Any]:
+        raise ValueError("bug")
+
+    api.document = boom
+    assert get(api, "/status")[0] == 500
+    api.document = good
+    assert get(api, "/status")[0] == 200
+
+
+def test_livez_and_readyz_are_answered_live(served: tuple[StatusApi, list[int]]) -> None:
+    api, calls = served
+    get(api, "/status")
+    get(api, "/readyz")
+    get(api, "/readyz")
+    assert calls[0] == 3 and api.renders.count == 1
+
+
+def test_connections_over_the_bound_get_a_503(served: tuple[StatusApi, list[int]]) -> None:
+    api, _ = served
+    host, port = api.address
+    idle = [socket.create_connection((host, port), timeout=DEADLINE) for _ in range(2)]
+    try:
+        code, body = get(api, "/livez")  # both slots held by clients that send nothing
+        assert code == 503 and body.startswith(b"status endpoint busy")
+        assert api.refused == 1
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + DEADLINE  # the idle handlers see the close and give back
+    while (code := get(api, "/livez")[0]) != 200 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert code == 200
+    metrics = get(api, "/metrics")[1].decode()
+    refused = next(s.value for f in text_string_to_metric_families(metrics)
+                   for s in f.samples if s.name == "qwen4090_status_refused_total")
+    assert refused >= 1
 
 
 # --- the bench's reading of the histogram ---------------------------------------------------
