@@ -251,7 +251,7 @@ def test_an_outage_is_held_within_its_limits_and_a_reload_reaches_the_held(
             assert status == 503 and b"front.hold_timeout = 2s" in body, (status, body)
             assert at - reload_at < 20, at - reload_at
         ready = daemon.event("state_changed", after=mark, to="ready")
-        assert ready is None or ready["_t"] > min(at for _, _, at in results) - daemon.t0
+        assert ready is None or ready["_t"] > min(at for _, _, at in results)
     finally:
         drop.unlink()
         daemon.signal(signal.SIGHUP)
@@ -286,7 +286,7 @@ def test_a_connection_flood_past_the_cap_with_the_engine_killed(daemon: Daemon) 
         time.sleep(3.0)
     finally:
         answers = flood.end()
-    record("edge_flood", ready["_t"] + daemon.t0 - killed_at, answers=dict(answers),
+    record("edge_flood", ready["_t"] - killed_at,  # _t: the line's time.monotonic() answers=dict(answers),
            connections_cap=MAX_CONNECTIONS, flood=FLOOD)
     assert answers["HTTP/1.1 503"] > 0 and answers["HTTP/1.1 408"] > 0, answers
     resets = sum(n for what, n in answers.items() if not what.startswith("HTTP/1.1"))
