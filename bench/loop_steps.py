@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "daemon"))
 
 READY_TIMEOUT = 600.0
+SCRAPER_GRACE = 300.0  # seconds past the window a scraper may take to report (2 busy cores)
 TARGET = 0.5  # seconds: the longest step allowed under this load (issue 28.5)
 STEP_FAMILY = "qwen4090_loop_step_seconds"
 
@@ -205,14 +206,15 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         threads_seen = 0
         codes: dict[str, int] = {}
         slowest = 0.0
-        done, deadline = 0, t0 + args.seconds + 60  # each ends after args.seconds (+ <= 10 s)
+        # each ends after args.seconds and its last answer (<= 10 s), if the machine lets it run
+        done, deadline = 0, t0 + args.seconds + SCRAPER_GRACE
         while done < len(scrapers) or time.monotonic() - t0 < args.seconds:
             threads_seen = max(threads_seen, sup.num_threads())
             try:
                 got, worst = results.get(timeout=1.0)
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    raise RuntimeError("a scraper never finished") from None
+                    break  # said in the result: scrapers_lost
                 continue
             done += 1
             for k, n in got.items():
@@ -220,6 +222,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             slowest = max(slowest, worst)
         for p in scrapers:
             p.join(10)
+            if p.is_alive():
+                p.kill()
+        lost = len(scrapers) - done
         wall = time.monotonic() - t0
         cpu1 = sup.cpu_times()
         stream_tokens = sum(tokens) - tokens0
@@ -236,7 +241,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "steps": None if steps is None else steps.__dict__,
             "loop_stalled": stalls,
             "scrapes_per_second": round(sum(codes.values()) / wall, 1),
-            "scrape_codes": codes, "slowest_scrape_seconds": round(slowest, 3),
+            "scrape_codes": codes, "scrapers_lost": lost,
+            "slowest_scrape_seconds": round(slowest, 3),
             "stream_tokens_per_second": round(stream_tokens / wall, 1),
             "supervisor_cores": round((cpu1.user - cpu0.user + cpu1.system - cpu0.system)
                                       / wall, 2),
