@@ -545,6 +545,43 @@ check "\`qwen4090 status\` has the clients line: $(echo $st)" has "$st" "clients
 r=$(stream_complete 8 "$KEY")
 check "a streamed completion through :$PORT: 200, its events, then [DONE] (status, events, last: $r)" \
     sh -c 'set -- $1; [ "$1 $3 $4" = "200 data: [DONE]" ] && [ "$2" -ge 2 ]' - "$r"
+# Issue 28 under the unit: the soft file limit raised to LimitNOFILE=, the front's cap sized on
+# it, the key needed at the front on the paths vLLM's own check leaves open, no engine-only path
+# in any spelling, malformed requests as structured lines with no traceback.
+line=$(journal_since "" | grep -m1 '^fd_limit' || true)
+check "the supervisor raised its soft file limit to the unit's LimitNOFILE: $line" has "$line" "soft=65536" "hard=65536"
+st=$(status_json '" ".join(str(d["front"]["limits"][k]) for k in ("max_connections", "max_held", "fd_limit"))')
+check "/status has the front's limits in force (max_connections, max_held, fd_limit = $st)" test "$st" = "1024 256 65536"
+c=$(cursor)
+edge=$(python3 - "$PORT" "$KEY" <<'PY'
+import http.client, socket, sys
+port, key = int(sys.argv[1]), sys.argv[2]
+def call(method, target, auth=None):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.putrequest(method, target, skip_accept_encoding=True)
+    c.putheader("Content-Length", "2")
+    if auth:
+        c.putheader("Authorization", f"Bearer {auth}")
+    c.endheaders(b"{}")
+    s = c.getresponse().status
+    c.close()
+    return s
+out = [call("GET", "/version"), call("GET", "/version", key), call("POST", "/./pause?mode=abort", key),
+       call("POST", "/v1/../collective_rpc", key), call("GET", "/health")]
+for garbage in (b"GARBAGE\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n"):
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(garbage)
+        out.append(s.recv(64).split(b" ")[1].decode())
+print(" ".join(map(str, out)))
+PY
+)
+check "the edge: /version without and with the key, /./pause, /v1/../collective_rpc, /health, two malformed requests ($edge)" \
+    test "$edge" = "401 200 400 400 200 400 400"
+sleep 1
+tb=$(new_lines "$c" | grep -c -e Traceback -e 'Error handling request' || true)
+bad=$(new_lines "$c" | grep -m1 '^front_bad_request' || true)
+check "a malformed request is one structured line ($bad), and the journal has no traceback ($tb)" \
+    sh -c '[ -n "$1" ] && [ "$2" = 0 ]' - "$bad" "$tb"
 
 echo "== upgrade while running: no restart, a note what to restart, the new unit loaded"
 # A second .deb, a later version whose unit differs: one Environment= more (issue 19.1).
