@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import signal
 import threading
 import time
@@ -103,25 +104,50 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 class ThreadRunner:
-    """Runs each task on its own daemon thread: a stuck probe can never block our exit."""
+    """Runs each task on a daemon thread: an idle worker takes it, else a new one starts (a
+    stuck probe never blocks another task, nor our exit).  Workers are kept: a new thread's
+    start() waits until the scheduler has run it, and on a machine whose cores vLLM keeps busy
+    that wait, inside the loop's step, was where every long step was sampled
+    (docs/loop-steps.md); a kept worker is handed its task through a queue, without a wait."""
+
+    IDLE = 60.0  # seconds a worker waits for a task before it ends
 
     def __init__(self, on_done: Callable[[], None]) -> None:
         self.on_done = on_done
+        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]
+        self._tasks = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # workers waiting for a task and not yet promised one
 
     def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future[Any]:
         fut: Future[Any] = Future()
-
-        def work() -> None:
-            if not fut.set_running_or_notify_cancel():
-                return
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:
-                fut.set_exception(e)
-            self.on_done()
-
-        threading.Thread(target=work, name="qwen4090-task", daemon=True).start()
+        with self._lock:
+            spare = self._idle > 0
+            if spare:
+                self._idle -= 1  # promised: it takes a task from the queue
+        self._tasks.put((fut, fn, args))
+        if not spare:
+            threading.Thread(target=self._work, name="qwen4090-task", daemon=True).start()
         return fut
+
+    def _work(self) -> None:
+        while True:
+            try:
+                fut, fn, args = self._tasks.get(timeout=self.IDLE)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > 0:  # nobody was promised this worker: it ends
+                        self._idle -= 1
+                        return
+                continue  # promised to a submit whose task is on its way
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:
+                    fut.set_exception(e)
+                self.on_done()
+            with self._lock:
+                self._idle += 1
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -286,7 +286,8 @@ def test_a_connection_flood_past_the_cap_with_the_engine_killed(daemon: Daemon) 
         time.sleep(3.0)
     finally:
         answers = flood.end()
-    record("edge_flood", ready["_t"] - killed_at,  # _t: the line's time.monotonic() answers=dict(answers),
+    # _t: the time.monotonic() at which the line was read
+    record("edge_flood", ready["_t"] - killed_at, answers=dict(answers),
            connections_cap=MAX_CONNECTIONS, flood=FLOOD)
     assert answers["HTTP/1.1 503"] > 0 and answers["HTTP/1.1 408"] > 0, answers
     resets = sum(n for what, n in answers.items() if not what.startswith("HTTP/1.1"))
