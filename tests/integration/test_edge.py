@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.support.attacks import spellings
+from tests.support.attacks import call, spellings
 from tests.support.clients import record
 from tests.support.daemon import Daemon
 from tests.support.runtime import REPO, cpu_config, cpu_vllm, free_port, write_toml
@@ -67,23 +67,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Any:
     d.status_port = status_port  # type: ignore[attr-defined]
     yield d
     d.close()
-
-
-def call(port: int, method: str, target: str, body: bytes = b"",
-         headers: dict[str, str] | None = None, timeout: float = 60.0
-         ) -> tuple[int, dict[str, str], bytes]:
-    """One request with the target sent as written (http.client does not normalise it)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.putrequest(method, target, skip_accept_encoding=True)
-        for k, v in {"Content-Length": str(len(body)), "Content-Type": "application/json",
-                     **(headers or {})}.items():
-            conn.putheader(k, v)
-        conn.endheaders(body)
-        r = conn.getresponse()
-        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-    finally:
-        conn.close()
 
 
 def complete(port: int, timeout: float = 120.0) -> tuple[int, bytes]:

@@ -3,6 +3,26 @@ unit tests of the path decision and the integration test against the real vLLM."
 
 from __future__ import annotations
 
+import http.client
+
+
+def call(port: int, method: str, target: str, body: bytes = b"",
+         headers: dict[str, str] | None = None, timeout: float = 60.0
+         ) -> tuple[int, dict[str, str], bytes]:
+    """One request on 127.0.0.1 with the target sent as written (http.client neither
+    normalises nor quotes it): status, headers (lower-case names), body."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.putrequest(method, target, skip_accept_encoding=True)
+        for k, v in {"Content-Length": str(len(body)), "Content-Type": "application/json",
+                     **(headers or {})}.items():
+            conn.putheader(k, v)
+        conn.endheaders(body)
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
 
 def spellings(path: str) -> list[str]:
     """Ways a client may write ``path`` hoping that something on the way rewrites it."""

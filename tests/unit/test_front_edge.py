@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from tests.support.attacks import call
 from tests.support.fakes import Log
 from tests.support.upstream import Later, Upstream, make_front, request, upstream, wait_until
 
@@ -33,20 +34,6 @@ def raw_exchange(port: int, data: bytes, timeout: float = 10.0) -> bytes:
         while chunk := s.recv(65536):
             out += chunk
         return out
-
-
-def call(port: int, method: str, target: str, body: bytes = b"",
-         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.putrequest(method, target, skip_accept_encoding=True)
-        for k, v in {"Content-Length": str(len(body)), **(headers or {})}.items():
-            conn.putheader(k, v)
-        conn.endheaders(body)
-        r = conn.getresponse()
-        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-    finally:
-        conn.close()
 
 
 def metrics(f: Front) -> str:
