@@ -187,8 +187,13 @@ def serve(args: argparse.Namespace, wake: signals.Wakeup, pending: deque[int]) -
     notifier = Notifier(on_error=lambda msg: log.warning("notify_failed", error=msg))
     # The client port first: a client that comes while vLLM starts waits instead of being
     # refused (issue 20).
-    door = open_front(cfg, log, notifier.extend_timeout,
-                      stopping=lambda: any(s in signals.STOPS for s in pending))
+    try:
+        door = open_front(cfg, log, notifier.extend_timeout,
+                          stopping=lambda: any(s in signals.STOPS for s in pending))
+    except ConfigError as e:  # the API key the front checks: unreadable or unusable
+        log.error("config_error", error=str(e))
+        inst.close(group_gone=True)
+        return EX_CONFIG
     if door is None:
         inst.close(group_gone=True)
         return EX_TEMPFAIL
@@ -274,7 +279,8 @@ def open_front(cfg: Config, log: LogLike, extend: Callable[[float], object],
                stopping: Callable[[], bool], sleep: Callable[[float], None] = time.sleep
                ) -> FrontLike | None:
     """The front on vllm.host:vllm.port (front.enabled), or NoFront; None when the port stayed
-    taken for restart.port_wait (said in the journal with who holds it) or a stop came."""
+    taken for restart.port_wait (said in the journal with who holds it) or a stop came;
+    ConfigError when the API key it must check cannot be read."""
     if not cfg.front.enabled:
         return NoFront()
     v = cfg.vllm
@@ -418,7 +424,13 @@ def reload_fanout(sup: Supervisor, gpu: GpuParts, api: httpapi.StatusApi,
         if ("front" in changed or "vllm" in changed) and isinstance(door, front.Front):
             # the limits, and the API key (vllm.api_key_file: vLLM gets it at the restart
             # that a [vllm] change makes)
-            door.configure(front_limits(cfg), child.read_api_key(cfg.vllm, os.environ))
+            try:
+                key = child.read_api_key(cfg.vllm, os.environ)
+            except ConfigError as e:  # vLLM's next start refuses it too (preflight, exit 78)
+                key = door.api_key
+                sup.log.error("front_key_kept", error=str(e),
+                              hint="the front keeps checking the key it had")
+            door.configure(front_limits(cfg), key)
     return on_event
 
 

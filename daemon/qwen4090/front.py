@@ -329,6 +329,11 @@ class Front:
         """The daemon gave up: no engine will come, held requests get their 503 now."""
         self._call(self._set_refusing, reason)
 
+    @property
+    def api_key(self) -> str | None:
+        """The key the front checks now (None: none)."""
+        return self._key
+
     def configure(self, limits: Limits, key: str | None) -> None:
         """New limits and API key (a reload): they apply at once, to the requests already
         held too (a shorter hold_timeout ends the holds already past it)."""
