@@ -842,7 +842,7 @@ class _Collector:
                                      "or a wrong API key, a body too large, too slow a client",
                                      labels=["reason"])
         for name in ("bad_target", "not_served", "method", "unauthorized", "body_too_large",
-                     "header_timeout", "body_timeout"):
+                     "head_too_large", "header_timeout", "body_timeout"):
             family.add_metric([name], rejected.get(name, 0))
         yield family
         buckets, running = [], 0

@@ -50,6 +50,10 @@ FDS_PER_CONNECTION = 2
 LINGER_MIN = 64
 LINGER_MAX = 4096
 LINGER_SECONDS = 1.0
+# The bytes a request head may take before its handler runs (nginx: 4 x 8 KiB, HAProxy: 16
+# KiB).  aiohttp 3.9+ also refuses more than front.MAX_HEADERS fields; Debian 12's 3.8 has no
+# bound of its own on a head's size (20,000 fields, 1.2 MB, were parsed and forwarded).
+MAX_HEAD = 64 * 1024
 SWEEP_EVERY = 0.5  # seconds between looks at the connections' timers
 QUIET_AFTER = 10.0  # seconds without a refusal that end a burst of them (one journal line)
 RETRY_AFTER = 5  # seconds a 503 asks the client to wait
@@ -110,6 +114,7 @@ class Door(asyncio.Protocol):
         self.received = 0  # bytes the client sent, in all
         self.mark = 0  # ... when it began waiting
         self.lingering = False
+        self.cut = False  # its head grew past MAX_HEAD: 431, closing
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -121,11 +126,16 @@ class Door(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received += len(data)
-        if self.inner is not None:
-            self.inner.data_received(data)
+        if self.inner is None or self.cut:
+            return  # refused: what it sends is read and dropped
+        if self.busy == 0 and self.received - self.mark > MAX_HEAD:
+            self.cut = True  # aiohttp's parser gets no more of it (it is told of the close)
+            self.doors.head_too_large(self)
+            return
+        self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        if self.inner is not None:
+        if self.inner is not None and not self.cut:
             return self.inner.eof_received()
         return None  # a refused connection: the client is done, close it
 
@@ -174,6 +184,20 @@ class Doors:
         else:
             door.transport.close()
         return False
+
+    def head_too_large(self, door: Door) -> None:
+        """A request head past MAX_HEAD: 431, then what the client still sends is read and
+        dropped for a moment (a reset would hide the answer), then closed."""
+        assert door.transport is not None
+        self.reject("head_too_large")
+        door.transport.write(raw_answer(
+            431, "Request Header Fields Too Large", f"the request's head is larger than "
+            f"{MAX_HEAD // 1024} KiB", "request_too_large"))
+        if door.transport.can_write_eof():
+            door.transport.write_eof()
+            self.lingering[door] = self.clock() + LINGER_SECONDS
+        else:
+            door.transport.close()
 
     def left(self, door: Door) -> None:
         if door.transport is not None:

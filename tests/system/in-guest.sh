@@ -568,15 +568,16 @@ def call(method, target, auth=None):
     return s
 out = [call("GET", "/version"), call("GET", "/version", key), call("POST", "/./pause?mode=abort", key),
        call("POST", "/v1/../collective_rpc", key), call("GET", "/health")]
-for garbage in (b"GARBAGE\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n"):
+for garbage in (b"GARBAGE\r\n\r\n", b"GET /v1/models HTTP/1.1\r\nContent-Length: x\r\n\r\n",
+                b"GET /v1/models HTTP/1.1\r\n" + b"X: %s\r\n" % (b"y" * 60) * 2000 + b"\r\n"):
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(garbage)
         out.append(s.recv(64).split(b" ")[1].decode())
 print(" ".join(map(str, out)))
 PY
 )
-check "the edge: /version without and with the key, /./pause, /v1/../collective_rpc, /health, two malformed requests ($edge)" \
-    test "$edge" = "401 200 400 400 200 400 400"
+check "the edge: /version without and with the key, /./pause, /v1/../collective_rpc, /health, two malformed requests, a 130 KB head ($edge)" \
+    test "$edge" = "401 200 400 400 200 400 400 431"
 sleep 1
 tb=$(new_lines "$c" | grep -c -e Traceback -e 'Error handling request' || true)
 bad=$(new_lines "$c" | grep -m1 '^front_bad_request' || true)

@@ -225,11 +225,15 @@ def test_a_shorter_hold_timeout_ends_the_holds_already_past_it(upstream: Upstrea
 
 
 @pytest.mark.parametrize("garbage", [
-    b"GARBAGE\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n", b"GET /v1/models HTTP/1.1\r\nHost x\r\n\r\n",
+    b"GARBAGE\r\n\r\n", b"GET /v1/models HTTP/1.1\r\nContent-Length: x\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nHost x\r\n\r\n",
     b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello",
     b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\nxx\r\n0\r\n\r\n",
     b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n",
-    b"GET /v1/models HTTP/1.1\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(200)) + b"\r\n",
+    # a head past MAX_HEAD (64 KiB): 431 from the front whatever aiohttp's own bounds (3.8,
+    # Debian 12's, parsed and forwarded 20,000 fields)
+    b"GET /v1/models HTTP/1.1\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"y" * 50)
+                                              for i in range(2000)) + b"\r\n",
 ])
 def test_malformed_requests_get_400_and_at_most_a_structured_line(
         upstream: Upstream, garbage: bytes, capfd: pytest.CaptureFixture[str]) -> None:
