@@ -41,6 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "daemon"))
 
+from tests.support.clients import http_get  # noqa: E402 (the path above first)
+
 READY_TIMEOUT = 600.0
 SCRAPER_GRACE = 300.0  # seconds past the window a scraper may take to report (2 busy cores)
 TARGET = 0.5  # seconds: the longest step allowed under this load (issue 28.5)
@@ -107,16 +109,6 @@ def summarize(before: dict[float, float], after: dict[float, float]) -> StepSumm
 # --- the load ---------------------------------------------------------------------------------
 
 
-def get(port: int, path: str, timeout: float = 30.0) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("GET", path)
-        r = conn.getresponse()
-        return r.status, r.read()
-    finally:
-        conn.close()
-
-
 def scrape(port: int, seconds: float, results: Any) -> None:
     """One scraper (a process of its own, as a client is): /metrics and /status in turn, as
     fast as answers come, for ``seconds``; (codes, slowest answer) to ``results``."""
@@ -127,7 +119,7 @@ def scrape(port: int, seconds: float, results: Any) -> None:
     i = 0
     while (t0 := time.monotonic()) < end:
         try:
-            code = str(get(port, paths[i % 2], 10.0)[0])
+            code = str(http_get(port, paths[i % 2], 10.0)[0])
         except OSError as e:
             code = type(e).__name__
         codes[code] = codes.get(code, 0) + 1
@@ -192,7 +184,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         for _ in range(args.streams):
             if not started.acquire(timeout=120):
                 raise RuntimeError("a stream never started")
-        before = step_buckets(get(status_port, "/metrics")[1].decode())
+        before = step_buckets(http_get(status_port, "/metrics", 30.0)[1].decode())
         mark = d.mark()
         sup = psutil.Process(d.proc.pid)
         cpu0, t0 = sup.cpu_times(), time.monotonic()
@@ -228,7 +220,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         wall = time.monotonic() - t0
         cpu1 = sup.cpu_times()
         stream_tokens = sum(tokens) - tokens0
-        after = step_buckets(get(status_port, "/metrics")[1].decode())
+        after = step_buckets(http_get(status_port, "/metrics", 30.0)[1].decode())
         stalls = [ev.get("seconds") for ev in d.events[mark:]
                   if ev.get("event") == "loop_stalled"]
         stop_streams.set()

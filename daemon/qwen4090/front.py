@@ -66,8 +66,8 @@ HOP_BY_HOP = frozenset({
 # when the supervisor declares that engine dead within this long, else passed on as they are.
 REPLAY_GRACE = 3.0
 HELD_FULL = -2  # _wait_for_engine: front.max_held requests wait already
-# aiohttp's parser: a request head of at most this many fields (3.8's default is 32,768, each
-# up to 8 KiB: a head could cost 256 MiB); vLLM's clients send about ten.
+# aiohttp's parser (3.9+; 3.8, Debian 12's, does not enforce it): a request head of at most
+# this many fields; vLLM's clients send about ten.  The head's size: frontlimits.MAX_HEAD.
 MAX_HEADERS = 100
 QUEUE_BUCKETS = (0.001, 0.01, 0.1, 1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, math.inf)
 STREAM_DONE = b"data: [DONE]"
@@ -406,15 +406,14 @@ class Front:
         await self._notify()
 
     async def _set_limits(self, limits: Limits, key: str | None) -> None:
-        was, self.limits, self._key = self.limits, limits, key
+        self.limits, self._key = limits, key
         self.log.info("front_reconfigured", hold_timeout=limits.hold_timeout,
                       max_connections=limits.max_connections, max_held=limits.max_held,
                       header_timeout=limits.header_timeout,
                       max_body_mib=round(limits.max_body / 2**20, 2),
                       body_budget_mib=round(limits.body_budget / 2**20, 2),
                       api_key=key is not None)
-        if limits.hold_timeout != was.hold_timeout:
-            await self._notify()  # the held recount their deadlines
+        await self._notify()  # the held recount their deadlines
 
     # --- the data path -----------------------------------------------------------------------
 
@@ -466,11 +465,8 @@ class Front:
         """The whole body, counted against front.max_body_mib (413) and, with every other
         body in memory, against front.body_budget_mib (503); a client silent for
         front.header_timeout within it gets 408."""
-        lim = self.limits
-        declared = request.content_length
-        if declared is not None and declared > lim.max_body:
-            return self._too_large(lim)
-        if not self._budget(declared or 0, held):
+        lim = self.limits  # the Content-Length past max_body was refused in _admit
+        if not self._budget(request.content_length or 0, held):
             return self._shed_budget(lim)
         chunks: list[bytes] = []
         got = 0

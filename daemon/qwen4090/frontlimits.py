@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiohttp import http_exceptions
+
 from qwen4090.config import FrontConfig
 from qwen4090.fdlimit import FD_RESERVE  # the files kept for the supervisor's own work
 
@@ -372,8 +374,6 @@ class _Bridge(logging.Handler):
 
 
 def _client_fault(exc: BaseException) -> bool:
-    from aiohttp import http_exceptions
-
     return isinstance(exc, (http_exceptions.HttpProcessingError, ConnectionError,
                             asyncio.CancelledError, asyncio.TimeoutError))
 

@@ -4,7 +4,6 @@ reading of the histogram (bench/loop_steps.py)."""
 
 from __future__ import annotations
 
-import http.client
 import math
 import socket
 import threading
@@ -16,6 +15,7 @@ import pytest
 from bench import loop_steps
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from tests.support.clients import http_get
 from tests.support.fakes import Clock, Log
 
 from qwen4090 import cli, httpapi
@@ -111,17 +111,6 @@ def served() -> Iterator[tuple[StatusApi, list[int]]]:
         api.stop()
 
 
-def get(api: StatusApi, path: str) -> tuple[int, bytes]:
-    host, port = api.address
-    conn = http.client.HTTPConnection(host, port, timeout=DEADLINE)
-    try:
-        conn.request("GET", path)
-        r = conn.getresponse()
-        return r.status, r.read()
-    finally:
-        conn.close()
-
-
 def test_concurrent_scrapes_share_one_render(served: tuple[StatusApi, list[int]]) -> None:
     api, calls = served
     bodies: list[bytes] = []
@@ -129,7 +118,8 @@ def test_concurrent_scrapes_share_one_render(served: tuple[StatusApi, list[int]]
     def scrape() -> None:
         for path in ("/status", "/metrics", "/"):
             for _ in range(100):  # the bound (2 connections) may still count the last one,
-                code, body = get(api, path)  # whose thread ends after its answer: a 503
+                # ... whose thread ends after its answer: a 503
+                code, body = http_get(api.address[1], path, DEADLINE)
                 if code != 503:
                     break
                 time.sleep(0.01)
@@ -176,16 +166,16 @@ def test_a_failed_render_is_a_500_and_is_not_kept(served: tuple[StatusApi, list[
         raise ValueError("bug")
 
     api.document = boom
-    assert get(api, "/status")[0] == 500
+    assert http_get(api.address[1], "/status", DEADLINE)[0] == 500
     api.document = good
-    assert get(api, "/status")[0] == 200
+    assert http_get(api.address[1], "/status", DEADLINE)[0] == 200
 
 
 def test_livez_and_readyz_are_answered_live(served: tuple[StatusApi, list[int]]) -> None:
     api, calls = served
-    get(api, "/status")
-    get(api, "/readyz")
-    get(api, "/readyz")
+    http_get(api.address[1], "/status", DEADLINE)
+    http_get(api.address[1], "/readyz", DEADLINE)
+    http_get(api.address[1], "/readyz", DEADLINE)
     assert calls[0] == 3 and api.renders.count == 1
 
 
@@ -194,17 +184,19 @@ def test_connections_over_the_bound_get_a_503(served: tuple[StatusApi, list[int]
     host, port = api.address
     idle = [socket.create_connection((host, port), timeout=DEADLINE) for _ in range(2)]
     try:
-        code, body = get(api, "/livez")  # both slots held by clients that send nothing
+        # both slots held by clients that send nothing
+        code, body = http_get(api.address[1], "/livez", DEADLINE)
         assert code == 503 and body.startswith(b"status endpoint busy")
         assert api.refused == 1
     finally:
         for s in idle:
             s.close()
     deadline = time.monotonic() + DEADLINE  # the idle handlers see the close and give back
-    while (code := get(api, "/livez")[0]) != 200 and time.monotonic() < deadline:
+    port = api.address[1]
+    while (code := http_get(port, "/livez", DEADLINE)[0]) != 200 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert code == 200
-    metrics = get(api, "/metrics")[1].decode()
+    metrics = http_get(api.address[1], "/metrics", DEADLINE)[1].decode()
     refused = next(s.value for f in text_string_to_metric_families(metrics)
                    for s in f.samples if s.name == "qwen4090_status_refused_total")
     assert refused >= 1
