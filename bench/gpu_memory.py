@@ -39,8 +39,9 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 import lab  # noqa: E402
 
 from qwen4090 import warmup  # noqa: E402
-from qwen4090.child import BASE_ENV, render_argv  # noqa: E402
+from qwen4090.child import BASE_ENV  # noqa: E402
 from qwen4090.config import load  # noqa: E402
+from qwen4090.launch import render_argv  # noqa: E402
 from qwen4090.probes import nvml  # noqa: E402
 from qwen4090.probes.http import VllmProbe  # noqa: E402
 

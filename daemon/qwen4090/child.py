@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 
 from qwen4090 import fdlimit, oomscore
-from qwen4090.config import AUTO, Config, VllmConfig, read_secret
+from qwen4090.config import Config, VllmConfig, read_secret
 from qwen4090.logs import LEVELS
 from qwen4090.notify import child_environment
 from qwen4090.policy import oom_evidence
@@ -63,31 +63,6 @@ DEFAULT_ENV = {
     MEGA_AOT: "1",
 }
 CREDENTIAL_NAME = "api_key"  # systemd LoadCredential=api_key:/etc/qwen4090/api_key
-
-
-def render_argv(v: VllmConfig) -> list[str]:
-    """The vLLM command line for a config: a list, never a shell string, never a secret."""
-    argv = [*v.command, "--model", v.model, "--served-model-name", v.served_model_name,
-            "--host", v.host, "--port", str(v.port), "--dtype", v.dtype]
-    if v.quantization:
-        argv += ["--quantization", v.quantization]
-    for flag, value in (("--max-model-len", v.max_model_len),
-                        ("--max-num-seqs", v.max_num_seqs),
-                        ("--max-num-batched-tokens", v.max_num_batched_tokens),
-                        ("--block-size", v.block_size)):
-        if value != AUTO:
-            argv += [flag, str(value)]
-    argv += ["--gpu-memory-utilization", f"{v.gpu_memory_utilization:g}",
-             "--kv-cache-dtype", v.kv_cache_dtype,
-             "--enable-prefix-caching" if v.enable_prefix_caching
-             else "--no-enable-prefix-caching",
-             "--enable-chunked-prefill" if v.enable_chunked_prefill
-             else "--no-enable-chunked-prefill"]
-    if v.enforce_eager:
-        argv.append("--enforce-eager")
-    if v.tensor_parallel_size > 1:
-        argv += ["--tensor-parallel-size", str(v.tensor_parallel_size)]
-    return argv + list(v.extra_args)
 
 
 def api_key_path(v: VllmConfig, env: Mapping[str, str]) -> str | None:

@@ -45,13 +45,12 @@ from qwen4090 import config as config_mod
 from qwen4090.commands import config_arg, config_error
 from qwen4090.config import Config, ConfigError
 from qwen4090.contracts import FrontLike, Launch, LogLike, NoFront, Parts
-from qwen4090.events import Event, Listener, Reloaded, Transition
+from qwen4090.events import Event, Listener, Reloaded
 from qwen4090.gpu import GpuParts
 from qwen4090.notify import Notifier
 from qwen4090.policy import EX_CONFIG, EX_SOFTWARE, EX_TEMPFAIL, EXIT_CODES
 from qwen4090.probes.http import VllmProbe
 from qwen4090.redact import safe_error
-from qwen4090.states import State
 from qwen4090.supervisor import Supervisor
 
 # sd_notify messages systemd has not taken yet (notify.Notifier.flush): tried again this soon,
@@ -67,7 +66,6 @@ LOOP_STALL = 2.0
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     from qwen4090 import preflight
-    from qwen4090.child import render_argv
     from qwen4090.warmup import plan_steps
 
     try:
@@ -82,12 +80,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     print(f"config ok: {', '.join(cfg.sources)}")
     print(f"  model    {v.model} (served as {v.served_model_name}) on {v.host}:{v.port}")
     if cfg.front.enabled:
-        print(f"  front    clients on {v.host}:{v.port}, vLLM on 127.0.0.1:"
-              f"{cfg.front.engine_port}, requests held up to {cfg.front.hold_timeout:g}s")
+        print(f"  front    clients on {v.host}:{v.port}, vLLM on "
+              f"{launch.engine_endpoint(cfg)}, requests held up to "
+              f"{cfg.front.hold_timeout:g}s")
     print(f"  limits   max_model_len={v.max_model_len} max_num_seqs={v.max_num_seqs} "
           f"max_num_batched_tokens={v.max_num_batched_tokens} "
           f"gpu_memory_utilization={v.gpu_memory_utilization:g}")
-    print(f"  argv     {' '.join(render_argv(launch.behind_front(cfg).vllm))}")
+    print(f"  argv     {' '.join(launch.configured(cfg).argv)}")  # as configured: no plan
     key = "none" if not (v.api_key_file or os.environ.get("CREDENTIALS_DIRECTORY")) else \
         (v.api_key_file or "systemd credential api_key")
     print(f"  api key  {key}")
@@ -242,7 +241,7 @@ def serve_with(args: argparse.Namespace, cfg: Config, log: LogLike, inst: instan
         runtime_of=launch.runtime_of,
     )
     sup = Supervisor(cfg, parts, signals=pending)
-    parts.listeners += [watch, prepare_next(sup, pre)]
+    parts.listeners.append(watch)
     if isinstance(door, front.Front):
         parts.listeners.append(front.steer(door))
     gpu.start_watch(cfg, gpu_fault, sup.report_gpu_sample)  # samples: /status, /metrics
@@ -284,7 +283,8 @@ def open_front(cfg: Config, log: LogLike, extend: Callable[[float], object],
     if not cfg.front.enabled:
         return NoFront()
     v = cfg.vllm
-    door = front.Front((v.host, v.port), ("127.0.0.1", cfg.front.engine_port),
+    at = launch.engine_endpoint(cfg)
+    door = front.Front((v.host, v.port), (at.host, at.port),
                        front_limits(cfg), log, key=child.read_api_key(v, os.environ))
     until = time.monotonic() + cfg.restart.port_wait
     said = False
@@ -331,15 +331,17 @@ def loop(sup: Supervisor, api: httpapi.StatusApi, notifier: Notifier, wake: sign
         wake.wait(pause if notifier.flush() else min(pause, NOTIFY_RETRY))
 
 
-def make_probe(c: Config) -> VllmProbe:
-    return VllmProbe(c.vllm.host, c.vllm.port, c.vllm.served_model_name,
-                     child.read_api_key(c.vllm, os.environ))
+def make_probe(chosen: Launch) -> VllmProbe:
+    """Parts.make_probe: the questions to the engine of this launch, at its endpoint."""
+    v, at = chosen.config.vllm, chosen.engine
+    return VllmProbe(at.host, at.port, v.served_model_name, child.read_api_key(v, os.environ))
 
 
 class VllmLauncher:
     """Parts.spawn: vLLM for a resolved launch, under the instance lock (which records it):
     its lines to ``sink`` (the timeline, our log), its engine's death to ``engine_dead``, the
-    weights read ahead, the pre-imported interpreter taken when it was made for this argv."""
+    weights read ahead, the pre-imported interpreter taken when it was made for this argv and
+    the next one prepared (for whichever engine starts next)."""
 
     def __init__(self, inst: instance.Instance, pre: preimport.Preimport,
                  sink: child.LineSink, engine_dead: Callable[[child.VllmChild, str], None],
@@ -353,25 +355,18 @@ class VllmLauncher:
             readahead.start(c.vllm.model, self.log)
         if not c.restart.preimport:
             self.pre.discard("restart.preimport is off")
-        started: child.VllmChild = self.inst.spawn(c, lambda cfg: child.spawn(
+        started: child.VllmChild = self.inst.spawn(launch, lambda cfg: child.spawn(
             launch.argv, cfg, self.sink, env=caches.cache_environment(os.environ, cfg.vllm.env),
             take=self.pre.take if cfg.restart.preimport else None,
             on_engine_dead=self.engine_dead))
+        if c.restart.preimport:
+            # At each spawn, whichever engine (serving or standby): the interpreter for the
+            # next start, with this child's command and env, so that it has finished
+            # importing by READY (issue 18.7: started at READY, it was still importing 14-20 s
+            # later when a fault came).  Prepared only at a serving start, a standby's build
+            # took it and the next fallback, OOM or reload restart found none (issue 29.3).
+            self.pre.prepare(started.argv, started.env)
         return started
-
-
-def prepare_next(sup: Supervisor, pre: preimport.Preimport) -> Listener:
-    """At each spawn: the interpreter for the next start, with this child's command and env,
-    so that it has finished importing by READY (issue 18.7: started at READY, it was still
-    importing for 14-20 s when a fault came soon after, and that relaunch waited for it)."""
-    def on_event(event: Event) -> None:
-        if not (isinstance(event, Transition) and event.dst is State.STARTING):
-            return
-        if not sup.cfg.restart.preimport:
-            pre.discard("restart.preimport is off")
-        elif isinstance(sup.child, child.VllmChild):
-            pre.prepare(sup.child.argv, sup.child.env)
-    return on_event
 
 
 def start_status(sup: httpapi.ServedSupervisor, log: LogLike,
@@ -392,7 +387,7 @@ def start_status(sup: httpapi.ServedSupervisor, log: LogLike,
     api = httpapi.StatusApi(document, clock=sup.p.clock, log=log)
     for source in sources:
         source.register(api.registry)
-    api.serve(sup.cfg.status)
+    api.serve(sup.published.cfg.status)  # (on the loop's thread: before it runs)
     return api
 
 

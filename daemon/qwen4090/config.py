@@ -789,7 +789,7 @@ def shortest_crash_loop(r: RestartConfig) -> float:
         delay = min(delay * r.backoff_factor, r.backoff_max)  # capped: never overflows
     return round(total, 3)
 
-# Flags that a [vllm] key renders (child.render_argv): in extra_args they would fight it.
+# Flags that a [vllm] key renders (launch.render_argv): in extra_args they would fight it.
 OWN_FLAGS = {
     "--model": "vllm.model", "--served-model-name": "vllm.served_model_name",
     "--host": "vllm.host", "--port": "vllm.port", "--dtype": "vllm.dtype",

@@ -3,34 +3,45 @@
 The supervisor imports no subprocess, socket, HTTP or NVML code: everything that touches the
 machine comes in through :class:`Parts`, whose fields are typed by the Protocols here.  The
 real parts are built by cli.py (the composition root); the unit tests hand in fakes
-(tests/support/fakes.py).  The result types the parts return live with their owners (probes,
-preflight, warmup, launch, instance) and are re-exported here, so a reader finds every joint
-of the supervisor in this one file.
+(tests/support/fakes.py).  What the parts answer is in results.py, what vLLM is launched with
+in launch.py (the Launch value and its pure resolver); this module imports no part itself
+(tests/unit/test_imports.py: importing the supervisor loads no aiohttp, subprocess, socket,
+HTTP client, psutil or NVML).
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from qwen4090.config import Config
 from qwen4090.events import Listener
-from qwen4090.front import FrontSample
-from qwen4090.instance import PortOwner, UncheckedPorts
-from qwen4090.launch import Launch, configured
+from qwen4090.launch import Endpoint, Launch, configured
 from qwen4090.policy import ExitVerdict
-from qwen4090.preflight import PreflightResult
-from qwen4090.probes.http import CompletionResult, HealthResult, MetricsResult, ProbeLike
-from qwen4090.warmup import WarmupResult
+from qwen4090.results import (
+    FrontSample,
+    MetricsResult,
+    PortOwner,
+    PreflightResult,
+    ProbeLike,
+    WarmupResult,
+)
 
-__all__ = ["ChildLike", "CompletionResult", "ExecutorLike", "FrontLike", "FrontSample",
-           "GpuLike", "HealthResult",
-           "Launch", "LogLike", "MetricsResult", "NoGpu", "NotifierLike", "Parts", "PortOwner",
-           "PortsLike", "PreflightResult", "ProbeLike", "WarmupResult"]
+
+@dataclass(frozen=True)
+class Published:
+    """What the status endpoint's threads read of the supervisor: made by the loop after each
+    step and never changed after (the loop publishes a new one), so no thread reads the live
+    Supervisor (issue 29.6; the endpoint used to copy it and retry on RuntimeError)."""
+
+    snapshot: Mapping[str, Any]  # Supervisor.snapshot(): state, run, restarts, standby...
+    cfg: Config  # the config in effect (a reload's, once applied)
+    last_metrics: MetricsResult | None  # vLLM's last /metrics answer while it serves
+    at: float  # the loop's clock when it was made
 
 
 class LogLike(Protocol):
@@ -96,7 +107,8 @@ class GpuLike(Protocol):
     one rung down the OOM ladder after an OOM.  The supervisor calls these; nothing else does.
     """
 
-    def launch(self, cfg: Config) -> Launch: ...
+    # ``beside``: the endpoint another engine listens on (a standby beside the serving one)
+    def launch(self, cfg: Config, beside: Endpoint | None = None) -> Launch: ...
     def preflight(self, chosen: Launch) -> PreflightResult: ...
     # Which of these pids still hold memory on the GPU with this NVML index (None: none).
     def held(self, device: int, pids: list[int]) -> str | None: ...
@@ -117,8 +129,8 @@ class NoGpu:
     remembered, nothing ever held (the state machine's tests; cli.py always builds GpuParts,
     which also runs the checks that need no GPU)."""
 
-    def launch(self, cfg: Config) -> Launch:
-        return configured(cfg)
+    def launch(self, cfg: Config, beside: Endpoint | None = None) -> Launch:
+        return configured(cfg, beside)
 
     def preflight(self, chosen: Launch) -> PreflightResult:
         return PreflightResult()
@@ -154,12 +166,22 @@ class NoFront:
         return None
 
 
+class UncheckedPorts:
+    """The supervisor's default port part (unit tests): every port free, every 200 ours."""
+
+    def holder(self, host: str, port: int) -> str | None:
+        return None
+
+    def owner(self, child: ChildLike, host: str, port: int) -> PortOwner:
+        return PortOwner(True)
+
+
 @dataclass
 class Parts:
     """Everything the supervisor drives, built by cli.py (or a test)."""
 
     spawn: Callable[[Launch], ChildLike]  # start vLLM with this resolved launch
-    make_probe: Callable[[Config], ProbeLike]
+    make_probe: Callable[[Launch], ProbeLike]  # asks the engine of this launch (its endpoint)
     warmup: Callable[[Config, ProbeLike, Callable[[str], None]], WarmupResult]
     load_config: Callable[[], Config]
     notifier: NotifierLike

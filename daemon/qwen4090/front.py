@@ -54,6 +54,7 @@ from yarl import URL
 from qwen4090 import clientpath
 from qwen4090.events import EngineMoved, Event, Listener, Transition
 from qwen4090.frontlimits import RETRY_AFTER, SWEEP_EVERY, Doors, HttpLog, Limits, Shedding
+from qwen4090.results import FrontSample
 from qwen4090.states import SERVING_STATES, State
 
 # Headers that belong to one connection, not to the request or answer (RFC 9110 7.6.1), and
@@ -83,25 +84,6 @@ CONNECT_TIMEOUT = 10.0
 # connection the server is closing at that moment (a fresh-clone CI run had one such request
 # held for a next engine that never came; the retry covers a server set lower still).
 KEEPALIVE = 2.0
-
-
-@dataclass(frozen=True)
-class FrontSample:
-    """The front's counts at one moment (a copy: any thread may read it)."""
-
-    in_flight: int  # requests accepted and not yet answered in full
-    holding: int  # ... of them waiting for an engine now
-    unanswered: int  # sent to the engine, no byte of the answer back yet
-    oldest_unanswered: float  # seconds the oldest of those has waited (0 when none)
-    bytes_from_engine: int  # bytes of answers to POSTs (generation) received from vLLM since
-    #                         the front started: they grow while the engine makes progress
-    #                         (GETs, such as a balancer's /health, are answered by a hung
-    #                         vLLM too)
-    open: bool  # the engine is up: requests pass
-    draining: bool
-    last_byte_at: float | None = None  # when (the front's clock) the last of those came in
-    connections: int = 0  # client connections open
-    shedding: str = ""  # while a limit refuses clients: what and how many (STATUS)
 
 
 @dataclass

@@ -22,10 +22,10 @@ import psutil
 from qwen4090 import derived, kvbudget, ladder, learned, plan, preflight, xid
 from qwen4090 import launch as launch_mod
 from qwen4090.config import AUTO, Config
-from qwen4090.launch import Launch
+from qwen4090.launch import Endpoint, Launch
 from qwen4090.policy import ExitVerdict
-from qwen4090.preflight import PreflightResult
 from qwen4090.probes import nvml
+from qwen4090.results import PreflightResult
 
 GIB = 1024 ** 3
 CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
@@ -152,17 +152,18 @@ class GpuParts:
 
     # --- before each launch -----------------------------------------------------------------
 
-    def launch(self, cfg: Config) -> Launch:
+    def launch(self, cfg: Config, beside: Endpoint | None = None) -> Launch:
         """What the next vLLM is launched with (launch.py, on this machine's facts); its
         config's gpu.device is the GPU vLLM runs on (:meth:`device`), for the plan, the checks
-        and the release wait."""
+        and the release wait; ``beside``: the endpoint another engine listens on."""
         cfg = self._on_device(cfg)
-        return launch_mod.resolve(cfg, launch_mod.read_facts(cfg, self.env))
+        return launch_mod.resolve(cfg, launch_mod.read_facts(cfg, self.env), beside)
 
     def preflight(self, chosen: Launch) -> PreflightResult:
         """Every check before `chosen` is launched, the GPU's among them (what cli.py hands the
         supervisor as Parts.preflight)."""
-        res = preflight.full(chosen.config, extra=[lambda cfg, r: self.check(chosen, r)])
+        res = preflight.full(chosen.config, chosen.engine,
+                             extra=[lambda cfg, r: self.check(chosen, r)])
         if res.ok and chosen.kv_note:
             self.log.info("kv_budget", detail=chosen.kv_note)
         return res

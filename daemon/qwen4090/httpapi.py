@@ -45,9 +45,9 @@ from prometheus_client.core import (
 
 from qwen4090 import __version__, vllmfacts
 from qwen4090.config import Config, StatusConfig, as_dict
+from qwen4090.contracts import Published
 from qwen4090.events import Event, GpuSampled, HangSeen, Restarted, Transition
 from qwen4090.policy import Cause
-from qwen4090.probes.http import MetricsResult
 from qwen4090.redact import safe_error
 from qwen4090.states import State
 
@@ -80,12 +80,8 @@ _SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSW|CREDENTIAL)", re.I)
 
 
 class SupervisorLike(Protocol):
-    cfg: Config
-
     @property
-    def last_metrics(self) -> MetricsResult | None: ...
-
-    def snapshot(self) -> dict[str, Any]: ...
+    def published(self) -> Published: ...  # the loop's last; read whole, never the live state
 
 
 class PartsView(Protocol):
@@ -216,14 +212,14 @@ def redacted_config(cfg: Config) -> dict[str, Any]:
 
 def status_document(sup: SupervisorLike, telemetry: Telemetry) -> dict[str, Any]:
     """Everything /status, /metrics and the page show, read once."""
-    snap = _snapshot(sup)
-    cfg = sup.cfg
+    view = sup.published
+    snap, cfg = view.snapshot, view.cfg
     wall = telemetry.wall()
     counts = telemetry.counts()
     gpu = counts.pop("gpu")
     if gpu is None and isinstance(snap.get("gpu"), dict):
         gpu = snap["gpu"]  # a sampler that reports through the snapshot instead of events
-    metrics = sup.last_metrics
+    metrics = view.last_metrics
     return {
         **snap,
         "ready": snap.get("state") == State.READY.value,
@@ -237,16 +233,6 @@ def status_document(sup: SupervisorLike, telemetry: Telemetry) -> dict[str, Any]
             k: v for k, v in metrics.values.items() if k in VLLM_GAUGES + VLLM_COUNTERS},
         "config": redacted_config(cfg),
     }
-
-
-def _snapshot(sup: SupervisorLike) -> dict[str, Any]:
-    # The loop may append to its history while we copy it; a retry is enough.
-    for _ in range(5):
-        try:
-            return sup.snapshot()
-        except RuntimeError:
-            continue
-    return sup.snapshot()
 
 
 def _iso(t: float) -> str:

@@ -49,6 +49,8 @@ import psutil
 from qwen4090 import atomicfile, fdlimit, learned
 from qwen4090.child import tcp_connections
 from qwen4090.config import Config, ConfigError
+from qwen4090.launch import Launch, engine_endpoints
+from qwen4090.results import PortOwner
 from qwen4090.vllmfacts import WILDCARDS
 
 DEFAULT_RUNTIME_DIR = "/run/qwen4090"
@@ -224,50 +226,7 @@ def flock_holders(proc_locks: str, major: int, minor: int, inode: int) -> list[i
     return pids
 
 
-@dataclass
-class PortWait:
-    """A port held by another process is waited on (bounded), not counted as a vLLM crash.
 
-    The bound runs from the first time the port was found held (at preflight, or vLLM's own
-    "Address already in use") until our vLLM is seen listening on it; when it is spent the
-    next held port is a counted failure (the normal budget path), and the wait starts over.
-    """
-
-    since: float | None = None
-    holder: str = ""  # who holds it now ("" = not waiting)
-    next_check: float = 0.0
-    last_said: float = -1e18
-
-    def observe(self, now: float, holder: str, limit: float, say_every: float
-                ) -> tuple[bool, bool]:
-        """(keep waiting, log it now) for a port found held by ``holder``."""
-        if self.since is None:
-            self.since = now
-        if now - self.since >= limit:
-            self.reset()
-            return False, False
-        say = holder != self.holder or now - self.last_said >= say_every
-        if say:
-            self.last_said = now
-        self.holder = holder
-        return True, say
-
-    def spent(self, now: float, limit: float) -> bool:
-        return self.since is not None and now - self.since >= limit
-
-    def waited(self, now: float) -> float:
-        return 0.0 if self.since is None else now - self.since
-
-    def reset(self) -> None:
-        self.since, self.holder, self.last_said = None, "", -1e18
-
-
-@dataclass(frozen=True)
-class PortOwner:
-    """Whose socket listens on vLLM's port, as far as our child's group goes."""
-
-    ours: bool | None  # True: a process of our group listens; False: not; None: cannot tell
-    holder: str = ""  # who does, when it is not us (or why we cannot tell)
 
 
 class ChildGroup(Protocol):
@@ -530,12 +489,14 @@ class Instance:
     def record_path(self) -> Path:
         return self.dir / f"{instance_name(self.host, self.port)}.child.json"
 
-    def record_path_for(self, cfg: Config) -> Path:
-        """The record of the group on this launch's port: the serving engine and a standby
-        take turns on front.engine_port and the port above it, each with its own record."""
-        if not cfg.front.enabled or cfg.vllm.port == cfg.front.engine_port:
+    def record_path_for(self, chosen: Launch) -> Path:
+        """The record of the group on this launch's engine endpoint: behind the front the
+        serving engine and a standby take turns on two loopback ports, each with its own
+        record (the first endpoint's is the instance's plain one)."""
+        at = chosen.engine
+        if at == engine_endpoints(chosen.config)[0]:
             return self.record_path
-        return self.dir / f"{instance_name(self.host, self.port)}.child-{cfg.vllm.port}.json"
+        return self.dir / f"{instance_name(self.host, self.port)}.child-{at.port}.json"
 
     def record_paths(self) -> list[Path]:
         return [self.record_path,
@@ -555,14 +516,11 @@ class Instance:
     # --- following the config (a reload may move vLLM to another port) --------------------
 
     def follow(self, cfg: Config) -> None:
-        """Hold the lock of the port this launch uses; ConfigError when another has it.
+        """Hold the lock of this config's client address; ConfigError when another has it.
 
-        An instance is named by its client port.  Behind the front a launch's vllm.port is the
-        engine's (launch.behind_front), and the client port cannot move on a reload (the
-        supervisor refuses it): nothing to follow."""
+        An instance is named by its client address (vllm.host:vllm.port): a reload may move
+        it only with the front off (with the front on, the supervisor refuses the move)."""
         v = cfg.vllm
-        if cfg.front.enabled and self.lock is not None:
-            return
         if (v.host, v.port) == (self.host, self.port) and self.lock is not None:
             return
         old_lock, old_record = self.lock, self.record_path
@@ -579,15 +537,16 @@ class Instance:
         self.host, self.port, self.lock = v.host, v.port, lock
         self._say_locked()
 
-    def spawn(self, cfg: Config, start: Callable[[Config], Any]) -> Any:
-        """Start vLLM for ``cfg`` under our lock, then record it (the supervisor's spawn)."""
+    def spawn(self, chosen: Launch, start: Callable[[Config], Any]) -> Any:
+        """Start vLLM for ``chosen`` under our lock, then record it (the supervisor's spawn)."""
+        cfg = chosen.config
         self.follow(cfg)
         child = start(cfg)
         leader = _proc_info(child.pid)
         if leader is not None:
             self._write(ChildRecord(child.pid, leader.pgid, leader.create_time, leader.cmdline,
                                     os.getpid()), new_leader=True,
-                        path=self.record_path_for(cfg))
+                        path=self.record_path_for(chosen))
         return child
 
     def _write(self, rec: ChildRecord, new_leader: bool = False, path: Path | None = None
@@ -760,12 +719,3 @@ class Instance:
         self._signal(pgid, procs, signal.SIGKILL)
         self._wait_gone(procs, self.clock() + ORPHAN_KILL_WAIT)
         return "SIGKILL"
-
-class UncheckedPorts:
-    """The supervisor's default port part (unit tests): every port free, every 200 ours."""
-
-    def holder(self, host: str, port: int) -> str | None:
-        return None
-
-    def owner(self, child: ChildGroup, host: str, port: int) -> PortOwner:
-        return PortOwner(True)

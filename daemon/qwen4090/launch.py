@@ -11,7 +11,12 @@ fingerprint and the same argv.  Each step works on the result of the one before:
 4. sleep mode (``restart.standby = "sleep"``): every engine may sleep (the standby, and the
    serving engine while a new standby starts);
 5. the fixed KV budget of the last good start (``restart.fixed_kv_budget``, kvbudget.py);
-6. the address: behind the front (``front.enabled``), vLLM listens on 127.0.0.1:engine_port.
+6. the engine's address (:attr:`Launch.engine`): with the front off, the client address
+   (``vllm.host:vllm.port``); behind the front, one of the two loopback engine ports
+   (``front.engine_port`` and the one above it), the one no other engine listens on.
+
+The config in a Launch keeps the client address: only the Launch's ``engine`` and its argv say
+where vLLM listens, and the probes, the port checks and the child record read it there.
 
 :func:`resolve` is pure (facts in, a :class:`Launch` out); :func:`read_facts` does the I/O.
 The commands that show and reset what a launch gets, ``plan`` and ``reset-learned``, are
@@ -28,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from qwen4090 import kvbudget, learned, plan, runtime
-from qwen4090.child import render_argv
-from qwen4090.config import Config
+from qwen4090.config import AUTO, Config, VllmConfig
 from qwen4090.plan import GpuMemory, ModelFacts, Plan
+from qwen4090.vllmfacts import host_port
 
 # The limits a launch may get from somewhere other than the config.
 LIMIT_KEYS = learned.KEYS
@@ -66,9 +71,21 @@ class Facts:
 
 
 @dataclass(frozen=True)
+class Endpoint:
+    """Where one engine listens."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return host_port(self.host, self.port)
+
+
+@dataclass(frozen=True)
 class Launch:
-    config: Config  # what vLLM is launched with: every setting final
-    argv: tuple[str, ...]  # its command line (child.render_argv of config.vllm)
+    config: Config  # what vLLM is launched with: every setting final (vllm.host/port: clients')
+    argv: tuple[str, ...]  # its command line (child.render_argv of config.vllm at engine)
+    engine: Endpoint  # where this engine listens (engine_endpoint)
     settings: dict[str, Setting]  # LIMIT_KEYS (+ KV_KEY when given): value and origin
     gpu: GpuMemory | str  # the one GPU description; a str says why there is none
     fingerprint: dict[str, Any]  # what learned settings belong to
@@ -125,13 +142,32 @@ def read_model(cfg: Config) -> ModelFacts | str:
         return str(e)
 
 
-def configured(cfg: Config) -> Launch:
+def configured(cfg: Config, beside: Endpoint | None = None) -> Launch:
     """The launch as configured, nothing learned, planned or remembered (no GPU part)."""
-    return resolve(cfg, Facts("no GPU part", "no GPU part"))
+    return resolve(cfg, Facts("no GPU part", "no GPU part"), beside)
 
 
-def resolve(cfg: Config, facts: Facts) -> Launch:
-    """The launch for this config on these facts, and where each limit came from."""
+def engine_endpoints(cfg: Config) -> tuple[Endpoint, ...]:
+    """Where engines may listen.  With the front off, the client address: one engine, no
+    standby.  Behind the front, two loopback ports that the serving engine and a standby take
+    in turn (after a failover the standby serves on its own port; the next one starts on the
+    other)."""
+    if not cfg.front.enabled:
+        return (Endpoint(cfg.vllm.host, cfg.vllm.port),)
+    port = cfg.front.engine_port
+    return Endpoint("127.0.0.1", port), Endpoint("127.0.0.1", port + 1)
+
+
+def engine_endpoint(cfg: Config, beside: Endpoint | None = None) -> Endpoint:
+    """The endpoint of an engine started while ``beside`` listens (a standby beside the
+    serving engine); None: the first, where a serving engine starts when no other runs."""
+    ends = engine_endpoints(cfg)
+    return next((e for e in ends if e != beside), ends[0])
+
+
+def resolve(cfg: Config, facts: Facts, beside: Endpoint | None = None) -> Launch:
+    """The launch for this config on these facts, and where each limit came from; the engine
+    listens on :func:`engine_endpoint` (``beside``: the endpoint another engine holds)."""
     fp = fingerprint(cfg, facts.gpu)
     settings = {k: Setting(getattr(cfg.vllm, k), Origin.CONFIGURED) for k in LIMIT_KEYS}
     taught, notes = learned.applied(cfg, facts.learned, fp)
@@ -157,20 +193,11 @@ def resolve(cfg: Config, facts: Facts) -> Launch:
     if n is not None:
         settings[KV_KEY] = Setting(n, Origin.KV_BUDGET, kv_note or "")
         chosen = kvbudget.with_budget(chosen, n)
-    chosen = behind_front(chosen)
-    return Launch(config=chosen, argv=tuple(render_argv(chosen.vllm)), settings=settings,
-                  gpu=facts.gpu, fingerprint=fp, kv_base=kv_base, plan=the_plan,
-                  no_plan=no_plan,
+    engine = engine_endpoint(chosen, beside)
+    argv = tuple(render_argv(chosen.vllm, (engine.host, engine.port)))
+    return Launch(config=chosen, argv=argv, engine=engine, settings=settings, gpu=facts.gpu,
+                  fingerprint=fp, kv_base=kv_base, plan=the_plan, no_plan=no_plan,
                   learned=tuple(notes), kv_budget=n, kv_note=kv_note, runtime=facts.runtime)
-
-
-def behind_front(cfg: Config) -> Config:
-    """With the front on, vLLM listens on 127.0.0.1:front.engine_port and the front on
-    vllm.host:vllm.port (front.py): the launch, its probes and its port checks use the former."""
-    if not cfg.front.enabled:
-        return cfg
-    return dataclasses.replace(cfg, vllm=dataclasses.replace(
-        cfg.vllm, host="127.0.0.1", port=cfg.front.engine_port))
 
 
 SLEEP_FLAG = "--enable-sleep-mode"
@@ -189,18 +216,32 @@ def with_sleep_mode(cfg: Config) -> Config:
         env={**cfg.vllm.env, DEV_MODE: "1"}))
 
 
-def engine_ports(cfg: Config) -> tuple[int, int]:
-    """The two loopback ports the serving engine and the standby take turns on."""
-    return cfg.front.engine_port, cfg.front.engine_port + 1
-
-
-def on_port(chosen: Launch, port: int) -> Launch:
-    """The same launch listening on ``port`` (the standby's, or the next serving engine's)."""
-    if chosen.config.vllm.port == port:
-        return chosen
-    cfg = dataclasses.replace(chosen.config, vllm=dataclasses.replace(chosen.config.vllm,
-                                                                      port=port))
-    return dataclasses.replace(chosen, config=cfg, argv=tuple(render_argv(cfg.vllm)))
+def render_argv(v: VllmConfig, at: tuple[str, int] | None = None) -> list[str]:
+    """The vLLM command line for a config: a list, never a shell string, never a secret.
+    ``at``: where this engine listens (launch.Launch.engine), when not ``v``'s own address
+    (behind the front, a loopback port of the engines' own)."""
+    host, port = at if at is not None else (v.host, v.port)
+    argv = [*v.command, "--model", v.model, "--served-model-name", v.served_model_name,
+            "--host", host, "--port", str(port), "--dtype", v.dtype]
+    if v.quantization:
+        argv += ["--quantization", v.quantization]
+    for flag, value in (("--max-model-len", v.max_model_len),
+                        ("--max-num-seqs", v.max_num_seqs),
+                        ("--max-num-batched-tokens", v.max_num_batched_tokens),
+                        ("--block-size", v.block_size)):
+        if value != AUTO:
+            argv += [flag, str(value)]
+    argv += ["--gpu-memory-utilization", f"{v.gpu_memory_utilization:g}",
+             "--kv-cache-dtype", v.kv_cache_dtype,
+             "--enable-prefix-caching" if v.enable_prefix_caching
+             else "--no-enable-prefix-caching",
+             "--enable-chunked-prefill" if v.enable_chunked_prefill
+             else "--no-enable-chunked-prefill"]
+    if v.enforce_eager:
+        argv.append("--enforce-eager")
+    if v.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(v.tensor_parallel_size)]
+    return argv + list(v.extra_args)
 
 
 def _changed(before: Config, after: Config) -> list[str]:

@@ -13,8 +13,6 @@ import sys
 from collections.abc import MutableMapping
 from typing import Any, TextIO
 
-import structlog
-
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 PRIORITY = {"debug": 7, "info": 6, "warning": 4, "warn": 4, "error": 3, "critical": 2,
             "exception": 3}
@@ -59,6 +57,8 @@ def _kv(value: Any) -> str:
 
 def setup(fmt: str = "auto", level: str = "info", stream: TextIO | None = None) -> str:
     """Configure structlog once for the process; return the format chosen."""
+    import structlog
+
     stream = stream or sys.stderr
     fmt = choose_format(fmt, stream)
     shared: list[Any] = [structlog.contextvars.merge_contextvars,
@@ -88,7 +88,24 @@ def _stdlib_level(level: str) -> int:
 def get_logger(**bind: Any) -> Any:
     # A lazy proxy, also with bound values: each call uses the configuration in effect, so a
     # reload's setup() reaches loggers made before it (.bind() would freeze the old one).
-    return structlog.get_logger("qwen4090", **bind)
+    return _Deferred(bind)
+
+
+class _Deferred:
+    """structlog's lazy logger, made at the first use.  The modules that only may log
+    (fdlimit, kvbudget, steptime) make theirs at import: structlog imports asyncio, and with
+    it socket and subprocess, which the supervisor's modules do not (test_imports.py)."""
+
+    def __init__(self, bind: dict[str, Any]) -> None:
+        self._bind = bind
+        self._log: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._log is None:
+            import structlog
+
+            self._log = structlog.get_logger("qwen4090", **self._bind)
+        return getattr(self._log, name)
 
 
 # The level from which vLLM's own lines are shown ([log] vllm_level): set at start and by a

@@ -17,30 +17,16 @@ import errno
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from qwen4090 import configrisk, fdlimit, steptime
 from qwen4090.child import api_key_path
 from qwen4090.config import Config, ConfigError, read_secret
 from qwen4090.instance import port_holders, try_bind
+from qwen4090.launch import Endpoint
 from qwen4090.policy import hang_timeout_risk
+from qwen4090.results import PreflightResult
 from qwen4090.runtime import version_warning
-
-
-@dataclass
-class PreflightResult:
-    fatal: ConfigError | None = None  # never heals: exit 78
-    transient: str | None = None  # may heal: retry with backoff
-    port_holder: str | None = None  # vLLM's port is held by this process: wait, do not count
-    unseen: OSError | None = None  # a check could not look (no file descriptor): again soon
-    warnings: list[str] = field(default_factory=list)
-    facts: dict[str, object] = field(default_factory=dict)  # for logs and status
-
-    @property
-    def ok(self) -> bool:
-        return self.fatal is None and self.transient is None and self.unseen is None
-
 
 Check = Callable[[Config, PreflightResult], None]
 
@@ -107,8 +93,9 @@ def check_api_key(cfg: Config, res: PreflightResult, env: Mapping[str, str] | No
             res.fatal = e
 
 
-def check_port(cfg: Config, res: PreflightResult) -> None:
-    host, port = cfg.vllm.host, cfg.vllm.port
+def check_port(cfg: Config, res: PreflightResult, at: Endpoint) -> None:
+    """The engine's own port (``at``: behind the front, a loopback port, not vllm.port)."""
+    host, port = at.host, at.port
     e = try_bind(host, port)
     if e is None:
         return
@@ -227,6 +214,7 @@ def static(cfg: Config) -> PreflightResult:
                             check_service_user])
 
 
-def full(cfg: Config, extra: Sequence[Check] = ()) -> PreflightResult:
+def full(cfg: Config, at: Endpoint, extra: Sequence[Check] = ()) -> PreflightResult:
     """Everything before a launch."""
-    return run_checks(cfg, [*STATIC_CHECKS, check_hosts, *extra, check_port])
+    return run_checks(cfg, [*STATIC_CHECKS, check_hosts, *extra,
+                            lambda c, r: check_port(c, r, at)])

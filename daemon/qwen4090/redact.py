@@ -11,9 +11,8 @@ anything else has every secret we know of, and anything that looks like a creden
 
 from __future__ import annotations
 
-import http.client
 import re
-import socket
+import sys
 import threading
 import traceback
 
@@ -67,7 +66,7 @@ def safe_error(e: BaseException, where: bool = False) -> str:
 
 
 def _message(e: BaseException) -> str:
-    if isinstance(e, (socket.timeout, TimeoutError)):
+    if isinstance(e, TimeoutError):  # (socket.timeout is TimeoutError since Python 3.10)
         return "timed out"
     if isinstance(e, UnicodeError):
         # Its object is the text being encoded (for a header: the whole header). Never show it.
@@ -82,7 +81,10 @@ def _message(e: BaseException) -> str:
         if e.strerror:
             return f"[Errno {e.errno}] {e.strerror}" if e.errno is not None else e.strerror
         return scrub(str(e)) if e.args else ""
-    if isinstance(e, http.client.HTTPException):
+    # http.client looked up, not imported: no HTTPException exists before something else
+    # imported it, and the supervisor's modules import no HTTP client (test_imports.py)
+    http_client = sys.modules.get("http.client")
+    if http_client is not None and isinstance(e, http_client.HTTPException):
         # Their args are raw protocol bytes (a status line, a header): only the kind is said.
         return ""
     try:

@@ -24,21 +24,10 @@ from typing import Any
 
 from qwen4090 import fdlimit, steptime, vllmfacts, warmup
 from qwen4090.config import Config, WatchConfig
-from qwen4090.contracts import (
-    ChildLike,
-    CompletionResult,
-    FrontSample,
-    HealthResult,
-    Launch,
-    LogLike,
-    MetricsResult,
-    PortOwner,
-    PortsLike,
-    ProbeLike,
-    WarmupResult,
-)
+from qwen4090.contracts import ChildLike, LogLike, PortsLike
 from qwen4090.events import HangSeen
 from qwen4090.judges import Drain, KillSchedule, ServingSchedule
+from qwen4090.launch import Launch
 from qwen4090.policy import (
     Cause,
     ExitVerdict,
@@ -49,8 +38,17 @@ from qwen4090.policy import (
     engine_dead_verdict,
     hang_timeout_risk,
 )
-from qwen4090.probes.http import Patient
 from qwen4090.redact import safe_error
+from qwen4090.results import (
+    CompletionResult,
+    FrontSample,
+    HealthResult,
+    MetricsResult,
+    Patient,
+    PortOwner,
+    ProbeLike,
+    WarmupResult,
+)
 from qwen4090.states import State
 from qwen4090.vllmfacts import RUNNING, WAITING
 
@@ -292,8 +290,8 @@ class Run:
         """Who listens on vLLM's port, for a probe job to find out on its own thread: under
         load the walk of the group's sockets took seconds, and in the loop it blocked every
         other step (seen: SIGTERM handled late)."""
-        child, v = self.child, self.config.vllm
-        return lambda: ports.owner(child, v.host, v.port)
+        child, at = self.child, self.launch.engine
+        return lambda: ports.owner(child, at.host, at.port)
 
     def stranger_on_port(self, ports: PortsLike, owner: PortOwner | None = None) -> str | None:
         """Who listens on vLLM's port when it is not our child's group (None: ours).
@@ -305,8 +303,8 @@ class Run:
         if self.child.poll() is not None:
             return None
         if owner is None:  # not looked up by the job: now
-            v = self.config.vllm
-            owner = ports.owner(self.child, v.host, v.port)
+            at = self.launch.engine
+            owner = ports.owner(self.child, at.host, at.port)
         return self.stranger(owner)
 
     def stranger(self, owner: PortOwner) -> str | None:
@@ -314,10 +312,9 @@ class Run:
         in the journal once per run), else None."""
         if owner.ours is not False:
             return None
-        v = self.config.vllm
         if not self.stranger_said:
             self.stranger_said = True
-            self.log.warning("port_answered_by_stranger", port=f"{v.host}:{v.port}",
+            self.log.warning("port_answered_by_stranger", port=str(self.launch.engine),
                              holder=owner.holder, pid=self.child.pid,
                              detail="not counted as our vLLM's /health")
         return owner.holder

@@ -26,20 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from qwen4090 import launch as launch_mod
 from qwen4090.config import Config
-from qwen4090.contracts import (
-    ChildLike,
-    CompletionResult,
-    FrontSample,
-    HealthResult,
-    Launch,
-    LogLike,
-    ProbeLike,
-)
+from qwen4090.contracts import ChildLike, LogLike
+from qwen4090.launch import Launch
 from qwen4090.policy import Cause, ExitVerdict
-from qwen4090.probes.http import Patient
 from qwen4090.redact import safe_error
+from qwen4090.results import CompletionResult, FrontSample, HealthResult, Patient, ProbeLike
 from qwen4090.run import Fail, Move, Run
 from qwen4090.states import State
 
@@ -119,7 +111,7 @@ class Keeper:
     mode: str
     log: LogLike
     spawn: Callable[[Launch], ChildLike]
-    make_probe: Callable[[Config], ProbeLike]
+    make_probe: Callable[[Launch], ProbeLike]
     submit: Callable[[Callable[[], Any]], Any]
     clock: Callable[[], float]
     run: Run | None = None
@@ -261,7 +253,7 @@ class Keeper:
                 and now - self.quiet_since >= cfg.restart.standby_quiet)
 
     def begin(self, now: float, serving: Run,
-              standby_launch: Callable[[], tuple[Launch, int]]) -> Ask | None:
+              standby_launch: Callable[[], Launch]) -> Ask | None:
         """Begin a build: sleep mode holds requests, waits for those in flight, asks the
         serving engine for its known answer and puts it to sleep, then spawns the standby;
         awake mode spawns the standby at once, beside the serving engine."""
@@ -271,7 +263,7 @@ class Keeper:
                       serving_pid=serving.child.pid)
         if not self.sleeps:
             self.build.step = "standby"
-            self.start_standby(now, *standby_launch())
+            self.start_standby(now, standby_launch())
             if self.run is None:
                 self.build = None
             return None
@@ -279,13 +271,13 @@ class Keeper:
         self.build.step = "drain"
         return Ask("hold", "building the standby: the serving engine sleeps meanwhile")
 
-    def start_standby(self, now: float, chosen: Launch, port: int) -> None:
-        """Spawn the standby on ``port`` with the serving engine's settings (and KV budget)."""
-        launch = launch_mod.on_port(chosen, port)
+    def start_standby(self, now: float, launch: Launch) -> None:
+        """Spawn the standby: the serving engine's settings (and KV budget) on the engine
+        endpoint the serving engine does not hold (Supervisor.standby_launch)."""
         try:
             # the probe first: its key file read may fail too (no file descriptor left), and a
             # spawned child without a Run would be nobody's to stop
-            probe = self.make_probe(launch.config)
+            probe = self.make_probe(launch)
             child = self.spawn(launch)
         except Exception as e:  # OSError, ConfigError: the build failed, serving goes on
             self.build_failed(now, f"cannot start the standby: {safe_error(e)}")
@@ -293,7 +285,8 @@ class Keeper:
         self.run = Run(child, probe, launch, now, launch.config.watch, self.log, self.submit,
                        self.clock)
         self.phase, self.since = Phase.STARTING, now
-        self.log.info("standby_spawned", pid=child.pid, port=port, argv=" ".join(launch.argv))
+        self.log.info("standby_spawned", pid=child.pid, port=launch.engine.port,
+                      argv=" ".join(launch.argv))
 
     def build_failed(self, now: float, why: str) -> None:
         self.failed_builds += 1
@@ -313,7 +306,7 @@ class Keeper:
         self.detail = ""
         tokens, _ = self.run.child.kv_cache()
         self.kv_tokens = tokens
-        self.log.info("standby_ready", pid=self.run.child.pid, port=self.run.config.vllm.port,
+        self.log.info("standby_ready", pid=self.run.child.pid, port=self.run.launch.engine.port,
                       asleep=self.sleeps, kv_tokens=tokens,
                       seconds=round(now - self.run.spawned_at, 1))
 
@@ -437,7 +430,7 @@ class Keeper:
         return []
 
     def on_serving_job(self, now: float, kind: str, result: Any, serving: Run,
-                       standby_launch: Callable[[], tuple[Launch, int]]) -> list[Ask]:
+                       standby_launch: Callable[[], Launch]) -> list[Ask]:
         """The serving engine's answers during a build (sleep mode)."""
         b = self.build
         if b is None:
@@ -455,8 +448,7 @@ class Keeper:
                 self.build_failed(now, f"the serving engine did not sleep: {result.error}")
                 return self._wake_after(now, b, serving)
             b.step, b.step_since = "standby", now
-            chosen, port = standby_launch()
-            self.start_standby(now, chosen, port)
+            self.start_standby(now, standby_launch())
             if self.run is None:  # could not even start
                 return self._wake_after(now, b, serving)
         elif kind == "standby_wake" and b.step == "wake":
@@ -481,7 +473,7 @@ class Keeper:
         run = self.run
         return {"mode": self.mode, "state": self.phase.value, "ready": self.ready,
                 "pid": run.child.pid if run is not None else None,
-                "port": run.config.vllm.port if run is not None else None,
+                "port": run.launch.engine.port if run is not None else None,
                 "seconds": round(now - self.since, 1), "kv_tokens": self.kv_tokens,
                 "failovers": self.failovers, "fallbacks": self.fallbacks,
                 "rebuilds": self.rebuilds,

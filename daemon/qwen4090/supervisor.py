@@ -23,16 +23,7 @@ from typing import Any
 
 from qwen4090 import fdlimit, states, statusline
 from qwen4090.config import Config, ConfigError, changed_sections
-from qwen4090.contracts import (
-    ChildLike,
-    CompletionResult,
-    HealthResult,
-    Launch,
-    MetricsResult,
-    Parts,
-    PortOwner,
-    WarmupResult,
-)
+from qwen4090.contracts import ChildLike, Parts, Published
 from qwen4090.events import (
     ChildExitSeen,
     EngineMoved,
@@ -45,7 +36,7 @@ from qwen4090.events import (
     Transition,
     WarmedUp,
 )
-from qwen4090.launch import behind_front, configured, engine_ports
+from qwen4090.launch import Launch, configured, engine_endpoint
 from qwen4090.policy import (
     EX_CONFIG,
     EX_GPU,
@@ -59,6 +50,13 @@ from qwen4090.policy import (
 )
 from qwen4090.portguard import PortGuard
 from qwen4090.redact import safe_error
+from qwen4090.results import (
+    CompletionResult,
+    HealthResult,
+    MetricsResult,
+    PortOwner,
+    WarmupResult,
+)
 from qwen4090.run import Fail, Move, Run, Verdict
 from qwen4090.standby import Ask, Keeper, answered, check_job
 from qwen4090.states import State
@@ -112,7 +110,6 @@ class Supervisor:
         self.keeper = Keeper(cfg.restart.standby if cfg.front.enabled else "off", self.log,
                              parts.spawn, parts.make_probe,
                              lambda fn: self.p.executor.submit(fn), parts.clock, since=now)
-        self.front_engine = (self.engine_cfg.vllm.host, self.engine_cfg.vllm.port)
         self.takeover = False  # the failure being stopped will be taken over by the standby
         self.waking = False  # the standby is being woken and checked (state RESTARTING)
         self.fell_back = False  # ... and failed: its group is stopped, then a normal restart
@@ -121,6 +118,8 @@ class Supervisor:
         # preflight that could not look runs again at look_again_at, not counted.
         self.pressure = fdlimit.PRESSURE
         self.look_again_at: float | None = None
+        self.published = Published({}, cfg, None, now)
+        self.step_safely(now, self.publish)
 
     # --- public surface ------------------------------------------------------------------
 
@@ -128,11 +127,6 @@ class Supervisor:
     def launch_cfg(self) -> Config:
         """The config the current vLLM runs with (auto resolved, learned applied)."""
         return self.launch.config
-
-    @property
-    def engine_cfg(self) -> Config:
-        """The config with vLLM's own address (behind the front: 127.0.0.1:engine_port)."""
-        return behind_front(self.cfg)
 
     @property
     def child(self) -> ChildLike | None:
@@ -196,6 +190,7 @@ class Supervisor:
                      self.heartbeat):
             self.step_safely(now, part)
         self.moved = self.state is not before
+        self.step_safely(now, self.publish)  # (the front's sample may find no fd: the last stays)
 
     def step_state(self, now: float) -> None:
         getattr(self, f"step_{self.state.value}")(now)
@@ -212,6 +207,11 @@ class Supervisor:
             if not fdlimit.exhausted(e):
                 raise
             self.pressure.note(f"the loop's {part.__name__} ({self.state.value})", e)
+
+    def publish(self, now: float) -> None:
+        """What the status endpoint shows from now on (one attribute write: its threads read
+        either this one or the one before, whole)."""
+        self.published = Published(self.snapshot(), self.cfg, self.last_metrics, now)
 
     def snapshot(self) -> dict[str, Any]:
         """Facts for status output (JSON-friendly): /status, `qwen4090 status`, the page."""
@@ -360,7 +360,7 @@ class Supervisor:
         self.emit(ChildExitSeen(rc))  # recovery: the timeline's fault mark
         # Judged again from the full tail once the group is gone (a surviving EngineCore
         # holds the pipes open: no waiting for them here).
-        verdict = self.port.judge(now, self.engine_cfg, run.exit_verdict())
+        verdict = self.port.judge(now, self.cfg.restart.port_wait, run.exit_verdict())
         self.log.warning("child_exited", pid=run.child.pid, code=rc, cause=verdict.cause.value,
                          detail=verdict.detail)
         self.fail(now, verdict)
@@ -435,13 +435,10 @@ class Supervisor:
             elif ask.what == "fail" and ask.verdict is not None:
                 self.fail(now, ask.verdict)
 
-    def standby_launch(self) -> tuple[Launch, int]:
+    def standby_launch(self) -> Launch:
         """The standby's launch: the serving engine's settings (and its fixed KV budget) on
-        the other of the two engine ports."""
-        chosen = self.p.gpu.launch(self.cfg)
-        serving = self.run.config.vllm.port if self.run is not None else -1
-        port = next(p for p in engine_ports(self.cfg) if p != serving)
-        return chosen, port
+        the engine endpoint the serving engine does not hold."""
+        return self.p.gpu.launch(self.cfg, self.run.launch.engine if self.run else None)
 
     def room_for_standby(self, now: float) -> bool:
         """The GPU has room for the woken standby now (its gpu_memory_utilization free):
@@ -468,7 +465,7 @@ class Supervisor:
         self.run = run
         self.waking = True
         self.log.info("failover_started", cause=self.failure.cause.value, pid=run.child.pid,
-                      port=run.config.vllm.port, asleep=self.keeper.sleeps)
+                      port=run.launch.engine.port, asleep=self.keeper.sleeps)
         self.state_reason = f"failover: waking the standby (pid {run.child.pid})"
         if not self.keeper.sleeps:  # awake: nothing to wake, its check is on the way
             self.emit(StandbyWoken(0.0))
@@ -496,7 +493,7 @@ class Supervisor:
         self.keeper.failover_done(now, ok=True)
         f = self.keeper.last_failover
         self.log.info("failover_done", cause=f.cause if f else None, pid=run.child.pid,
-                      port=run.config.vllm.port,
+                      port=run.launch.engine.port,
                       seconds=round(f.seconds, 3) if f and f.seconds is not None else None,
                       wake_seconds=f.as_json()["wake_seconds"] if f else None,
                       kv_tokens=cur.kv_tokens if cur else None)
@@ -538,8 +535,9 @@ class Supervisor:
         self.look_again_at = now + FD_RETRY
 
     def preflight_and_spawn(self, now: float) -> None:
-        if self.port.holder:
-            held = self.port.look_again(now, self.engine_cfg, self.p.ports)
+        if self.port.holder:  # where the next serving engine listens: free yet?
+            held = self.port.look_again(now, engine_endpoint(self.cfg),
+                                        self.cfg.restart.port_wait, self.p.ports)
             if isinstance(held, ExitVerdict):
                 self.fail(now, held)
             if held is not False:
@@ -555,15 +553,15 @@ class Supervisor:
             self.give_up(now, EX_CONFIG, str(res.fatal))
             return
         if res.transient is not None:
-            if res.port_holder is not None and self.port.observe(now, self.engine_cfg,
-                                                                 res.port_holder):
+            if res.port_holder is not None and self.port.observe(
+                    now, chosen.engine, self.cfg.restart.port_wait, res.port_holder):
                 return
             self.fail(now, ExitVerdict(Cause.PREFLIGHT, res.transient, True))
             return
         try:
             # the probe first: its key file read may find no file descriptor either, and a
             # spawned child without a Run would be nobody's to stop
-            probe = self.p.make_probe(chosen.config)
+            probe = self.p.make_probe(chosen)
             child = self.p.spawn(chosen)
         except ConfigError as e:
             if fdlimit.exhausted(e):
@@ -623,10 +621,8 @@ class Supervisor:
     def become_ready(self, now: float, why: str) -> None:
         run = self.run
         assert run is not None
-        addr = (run.config.vllm.host, run.config.vllm.port)
-        if self.cfg.front.enabled and addr != self.front_engine:
-            self.emit(EngineMoved(*addr))  # before READY: the front opens on the new address
-            self.front_engine = addr
+        if self.cfg.front.enabled:  # before READY: the front opens on this engine's address
+            self.emit(EngineMoved(run.launch.engine.host, run.launch.engine.port))
         self.transition(now, S.READY, why)
         self.ready_since = now
         run.became_ready(now)
@@ -745,7 +741,8 @@ class Supervisor:
         if self.failure is None:
             return
         final = run.final_verdict(self.failure, tail,
-                                  lambda v: self.port.judge(now, self.engine_cfg, v))
+                                  lambda v: self.port.judge(now, self.cfg.restart.port_wait,
+                                                            v))
         if final != self.failure:
             self.log.warning("exit_classified", cause=final.cause.value, detail=final.detail,
                              was=self.failure.cause.value)
@@ -943,8 +940,7 @@ class Supervisor:
             cause=self.failure.cause.value if self.failure else "?",
             failures=self.crashes.budget.count(now), budget=c.restart.budget_failures,
             stop_phase="stop" if run is None else "drain" if run.drain is not None else "term",
-            port=f"{(run.config if run else self.engine_cfg).vllm.host}:"
-                 f"{(run.config if run else self.engine_cfg).vllm.port}",
+            port=str(run.launch.engine if run else engine_endpoint(c)),
             port_holder=self.port.holder, warnings=run.warnings if run else 0,
             front=self.p.front.sample(),
             standby=self.keeper.phase.value if self.keeper.on else "", waking=self.waking)

@@ -24,13 +24,13 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from qwen4090 import vllmfacts
 from qwen4090.config import AUTO, Config
 from qwen4090.policy import queued_behind_work, serving_clients, warmup_request_wait
-from qwen4090.probes.http import CompletionResult, MetricsResult, ProbeLike
 from qwen4090.redact import safe_error
+from qwen4090.results import CompletionResult, MetricsResult, ProbeLike, WarmupResult, WarmupRow
 from qwen4090.vllmfacts import RUNNING, WAITING
 
 TOKEN_ID_RANGE = (100, 1000)  # ids below 1000 exist in every tokenizer we serve
@@ -44,48 +44,6 @@ OVERRUN_LOOKS = 4
 class WarmupStep:
     length: int  # prompt tokens
     concurrency: int
-
-
-@dataclass
-class WarmupRow:
-    length: int
-    concurrency: int
-    ttft_ms: float  # median over the concurrent requests
-    ttft_max_ms: float
-    seconds: float
-
-
-@dataclass
-class WarmupResult:
-    ok: bool
-    rows: list[WarmupRow] = field(default_factory=list)
-    seconds: float = 0.0
-    error: str = ""
-    skipped: list[str] = field(default_factory=list)
-    cut_short: str = ""  # why the warmup ended early and OK (an engine busy with clients)
-    # The longest engine step the settings allow, as measured: (seconds, prompt tokens)
-    longest_step: tuple[float, int] | None = None
-
-    def ttft_at(self, length: int) -> float | None:
-        for r in self.rows:
-            if r.length == length and r.concurrency == 1:
-                return r.ttft_ms
-        return None
-
-    def ttft_near(self, length: int) -> tuple[int, float] | None:
-        """The concurrency-1 row whose length is closest to ``length`` (for STATUS=)."""
-        singles = [r for r in self.rows if r.concurrency == 1]
-        if not singles:
-            return None
-        r = min(singles, key=lambda r: abs(r.length - length))
-        return r.length, r.ttft_ms
-
-    def table(self) -> str:
-        """One line: 'len=ttft_ms' pairs, then 'xC=ttft_ms' for the concurrency sweep."""
-        lens = " ".join(f"{r.length}:{r.ttft_ms:.0f}ms" for r in self.rows if r.concurrency == 1)
-        conc = " ".join(f"x{r.concurrency}:{r.ttft_ms:.0f}/{r.ttft_max_ms:.0f}ms"
-                        for r in self.rows if r.concurrency > 1)
-        return f"ttft by prompt length [{lens}] by concurrency p50/max [{conc}]"
 
 
 def step_length(cfg: Config) -> int | None:

@@ -16,8 +16,8 @@ from tests.support.fakes import Log
 
 from qwen4090 import gpu
 from qwen4090.config import load
-from qwen4090.preflight import PreflightResult
 from qwen4090.probes import nvml
+from qwen4090.results import PreflightResult
 
 pytestmark = pytest.mark.gpu
 

@@ -13,8 +13,9 @@ from typing import Any
 import lab
 import pytest
 
-from qwen4090.child import BASE_ENV, render_argv
+from qwen4090.child import BASE_ENV
 from qwen4090.config import load
+from qwen4090.launch import render_argv
 
 pytestmark = pytest.mark.gpu
 

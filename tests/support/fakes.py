@@ -7,8 +7,8 @@ import signal
 from concurrent.futures import Future
 from typing import Any
 
-from qwen4090.contracts import FrontSample, Launch, NoGpu
-from qwen4090.preflight import PreflightResult
+from qwen4090.contracts import NoGpu
+from qwen4090.launch import Launch
 from qwen4090.probes.http import (
     GENERATION_TOKENS,
     RUNNING,
@@ -17,6 +17,7 @@ from qwen4090.probes.http import (
     HealthResult,
     MetricsResult,
 )
+from qwen4090.results import FrontSample, PreflightResult
 
 
 class Clock:

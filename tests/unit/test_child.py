@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from qwen4090 import child
-from qwen4090.child import VllmChild, kernel_oom_line, oom_kill_count, render_argv, render_env
+from qwen4090.child import VllmChild, kernel_oom_line, oom_kill_count, render_env
 from qwen4090.config import VllmConfig, from_dict
+from qwen4090.launch import render_argv
 
 
 def test_argv_is_a_list_from_the_config() -> None:

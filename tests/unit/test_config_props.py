@@ -33,9 +33,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qwen4090 import config, preflight
-from qwen4090.child import render_argv, render_env
+from qwen4090.child import render_env
 from qwen4090.cli import main
 from qwen4090.config import AUTO, SECTIONS
+from qwen4090.launch import render_argv
 from qwen4090.policy import HangDetector, RestartBudget, backoff_delay
 from qwen4090.probes.http import VllmProbe
 from qwen4090.warmup import plan_steps

@@ -17,6 +17,7 @@ import pytest
 
 from qwen4090 import config, configrisk, preflight
 from qwen4090.cli import main
+from qwen4090.launch import engine_endpoint
 
 
 def resolving(*names: str) -> list[str]:
@@ -184,7 +185,8 @@ def test_the_secret_warning_names_the_drop_in_that_sets_the_env(
 def test_the_daemons_preflight_logs_the_same_warnings(tmp_path: Path) -> None:
     cfg = config.load(conf(tmp_path, 'host = "0.0.0.0"\nport = 1\n[status]\nhost = "0.0.0.0"'))
     assert preflight.check_config_warnings in preflight.STATIC_CHECKS
-    res = preflight.full(cfg)  # what the supervisor logs as preflight_warning, each launch
+    # what the supervisor logs as preflight_warning, each launch
+    res = preflight.full(cfg, engine_endpoint(cfg))
     assert configrisk.config_warnings(cfg) == [w for w in res.warnings
                                                if w.startswith(("status.host", "vllm.host"))]
     assert len(configrisk.config_warnings(cfg)) == 2
@@ -203,7 +205,9 @@ def test_vllm_on_an_address_this_machine_does_not_have_is_refused(
                           "address of this machine (its addresses: 127.0.0.1")
     assert err.count("\n") == 1 and "127.0.0.1 (with a proxy in front) or 0.0.0.0" in err
     # the daemon's preflight refuses it too, before the GPU checks (78, never retried)
-    res = preflight.full(config.load(path), extra=[lambda c, r: pytest.fail("GPU checked")])
+    loaded = config.load(path)
+    res = preflight.full(loaded, engine_endpoint(loaded),
+                         extra=[lambda c, r: pytest.fail("GPU checked")])
     assert res.fatal is not None and res.fatal.key == "vllm.host"
 
 

@@ -26,11 +26,10 @@ from test_supervisor import Harness
 from tests.support.fakes import FakeFront, Log
 
 import qwen4090
-from qwen4090 import fdlimit, preflight
+from qwen4090 import fdlimit, launch, preflight
 from qwen4090.config import from_dict
 from qwen4090.policy import Cause
-from qwen4090.preflight import PreflightResult
-from qwen4090.probes.http import CompletionResult, HealthResult, MetricsResult
+from qwen4090.results import CompletionResult, HealthResult, MetricsResult, PreflightResult
 from qwen4090.states import State
 from qwen4090.supervisor import FD_RETRY
 
@@ -242,7 +241,8 @@ def test_the_looks_of_one_burst_are_said_once(looks: dict[str, Any]) -> None:
 
 def test_check_port_and_the_key_file_each_say_unseen() -> None:
     cfg = from_dict({})
-    for check in (preflight.check_port, preflight.check_api_key):
+    at = launch.engine_endpoint(cfg)
+    for check in (lambda c, r: preflight.check_port(c, r, at), preflight.check_api_key):
         def no_file(c: Any, r: PreflightResult) -> None:
             raise OSError(errno.ENFILE, "Too many open files in system")
         res = preflight.run_checks(cfg, [no_file, check])
@@ -383,7 +383,7 @@ class Starved:
 
 
 def test_a_patient_probe_asks_again_within_the_timeout() -> None:
-    from qwen4090.probes.http import UNSEEN_RETRY, Patient
+    from qwen4090.results import UNSEEN_RETRY, Patient
 
     p = Starved(unseen=3)
     res = Patient(p, clock=lambda: p.t, sleep=p.sleep).control("/wake_up", 10.0)  # type: ignore[arg-type]
@@ -392,7 +392,7 @@ def test_a_patient_probe_asks_again_within_the_timeout() -> None:
 
 
 def test_a_patient_probe_gives_up_with_its_timeout() -> None:
-    from qwen4090.probes.http import Patient
+    from qwen4090.results import Patient
 
     p = Starved(unseen=1000)
     res = Patient(p, clock=lambda: p.t, sleep=p.sleep).complete([1], 1, 3.0)  # type: ignore[arg-type]

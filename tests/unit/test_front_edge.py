@@ -291,7 +291,7 @@ def _free() -> int:
 def test_status_says_while_a_limit_refuses_clients() -> None:
     from qwen4090 import statusline
     from qwen4090.config import VllmConfig
-    from qwen4090.front import FrontSample
+    from qwen4090.results import FrontSample
     from qwen4090.states import State
 
     def line(shedding: str) -> str:

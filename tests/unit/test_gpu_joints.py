@@ -26,10 +26,10 @@ from tests.support.runtime import free_port
 
 from qwen4090 import cli, gpu
 from qwen4090.config import Config
-from qwen4090.contracts import Launch
+from qwen4090.launch import Launch
 from qwen4090.policy import Cause
-from qwen4090.preflight import PreflightResult
 from qwen4090.probes import nvml
+from qwen4090.results import PreflightResult
 from qwen4090.states import State
 
 REPO = Path(__file__).resolve().parents[2]
@@ -313,9 +313,8 @@ def test_daemon_and_plan_resolve_the_same_launch(
     """On the same inputs (config, GPU, learned.json, kv_budget.json) the daemon's preflight,
     the launch its supervisor spawns and `qwen4090 plan` agree: same argv, same fingerprint,
     and each limit from the same place."""
-    from qwen4090.child import render_argv
     from qwen4090.config import load, tomllib
-    from qwen4090.launch import KV_KEY, Origin
+    from qwen4090.launch import KV_KEY, Origin, render_argv
     from qwen4090.policy import classify_exit
 
     py = fake_venv(tmp_path / "venv") if source == "nvml" else Path(sys.executable)
@@ -338,7 +337,8 @@ def test_daemon_and_plan_resolve_the_same_launch(
     assert s["max_model_len"].origin is Origin.PLAN and isinstance(s["max_model_len"].value, int)
     assert s["gpu_memory_utilization"].origin is Origin.CONFIGURED
     assert (s[KV_KEY].value, s[KV_KEY].origin) == (3 * 1024 ** 3, Origin.KV_BUDGET)
-    assert daemon.argv == tuple(render_argv(daemon.config.vllm))
+    at = daemon.engine  # behind the front: the engine's own loopback port, not vllm.port
+    assert daemon.argv == tuple(render_argv(daemon.config.vllm, (at.host, at.port)))
     assert "--kv-cache-memory-bytes" in daemon.argv and "--max-model-len" in daemon.argv
 
     assert cli.main(["plan", "-c", str(conf), "--json"]) == 0
@@ -351,15 +351,15 @@ def test_daemon_and_plan_resolve_the_same_launch(
 
     # ... and the supervisor spawns exactly that
     h = Harness(raw=tomllib.loads(conf.read_text()))
-    launches: list[Config] = []
+    launches: list[Launch] = []
 
     def spawn(launch: Launch) -> FakeChild:
-        launches.append(launch.config)
+        launches.append(launch)
         return h.spawn(launch)
 
     h.sup.p.gpu, h.sup.p.spawn = parts, spawn
     h.run_until(State.STARTING)
-    assert [render_argv(c.vllm) for c in launches] == [out["argv"]]
+    assert [list(c.argv) for c in launches] == [out["argv"]]
     assert h.sup.launch.fingerprint == out["fingerprint"]
 
 

@@ -19,8 +19,8 @@ from qwen4090.config import Config, from_dict
 from qwen4090.contracts import NoGpu
 from qwen4090.launch import Launch, configured
 from qwen4090.policy import EX_GPU, Cause, ExitVerdict
-from qwen4090.preflight import PreflightResult
 from qwen4090.probes import nvml
+from qwen4090.results import PreflightResult
 from qwen4090.states import State
 
 GIB = 1024 ** 3
@@ -96,7 +96,7 @@ def test_without_nvml_the_checks_step_aside(tmp_path: Path,
     parts = gpu.GpuParts(log, env={})
     cfg = make_cfg(tmp_path, max_model_len=40960)
     launched, res = check(parts, cfg)
-    assert res.ok and launched.config == launch.behind_front(cfg)  # as configured
+    assert res.ok and launched.config == cfg  # as configured
     assert [e for _, e, _ in log.events] == ["gpu_checks_skipped"]
     req = from_dict({**{"vllm": {"model": "/m"}}, "gpu": {"enabled": "required"}})
     assert "GPU not ready" in (check(parts, req)[1].transient or "")
@@ -253,8 +253,8 @@ class FakeGpu(NoGpu):
         self.calls: list[tuple[Config, ExitVerdict, list[str]]] = []
         self.len = 40960
 
-    def launch(self, cfg: Config) -> Launch:
-        return configured(from_dict({"vllm": {"max_model_len": self.len}}))
+    def launch(self, cfg: Config, beside: launch.Endpoint | None = None) -> Launch:
+        return configured(from_dict({"vllm": {"max_model_len": self.len}}), beside)
 
     def step_down(self, launched: Launch, cfg: Config, v: ExitVerdict, tail: list[str]
                   ) -> list[str] | None:

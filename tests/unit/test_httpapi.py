@@ -13,9 +13,10 @@ from tests.support.fakes import Clock, Log
 
 from qwen4090 import cli, httpapi
 from qwen4090.config import Config, from_dict
+from qwen4090.contracts import Published
 from qwen4090.events import Event, GpuSampled, HangSeen, Restarted, Transition
 from qwen4090.httpapi import StatusApi, Telemetry, metric_families, render_html, status_document
-from qwen4090.probes.http import MetricsResult
+from qwen4090.results import MetricsResult
 from qwen4090.states import State
 
 
@@ -29,6 +30,10 @@ class FakeSup:
         self.state = "ready"
         self.history: list[dict[str, Any]] = []
         self.p = Parts()
+
+    @property
+    def published(self) -> Published:
+        return Published(self.snapshot(), self.cfg, self.last_metrics, 0.0)
 
     def snapshot(self) -> dict[str, Any]:
         return {"state": self.state, "state_reason": "warmed up", "state_seconds": 12.5,

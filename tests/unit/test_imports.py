@@ -32,6 +32,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "fdlimit"),  # the file limit, and "no file descriptor left" is no verdict
     # every default and its validation; the keys whose default follows other keys
     "config": ("config", "derived"),
+    # what the parts answer (probes, preflight, warmup, the port walk, the front): values only
+    "results": ("results",),
     # pure decisions on the config's thresholds: backoff, budget, exit classes, hang verdicts,
     # and the judges that own their timers
     "policy": ("policy", "judges", "clientpath"),
@@ -46,10 +48,14 @@ LAYERS: dict[str, tuple[str, ...]] = {
                "preflight", "configrisk", "instance"),
     # the typed GPU part: launch, preflight, step-down and the watch, over one door
     "gpu": ("gpu", "xid"),
-    # the daemon: the supervisor, its contracts and one vLLM run, the signals, the status
-    # endpoint
-    "service": ("supervisor", "contracts", "run", "standby", "statusline", "portguard", "signals",
-                "httpapi"),
+    # the contracts of the parts the supervisor drives (protocols, do-nothing parts, Parts)
+    "contracts": ("contracts", "statusline"),
+    # the engines: one vLLM run and its judges' verdicts, the standby's keeper, the port guard
+    "engines": ("run", "standby", "portguard"),
+    # the daemon's state machine
+    "supervisor": ("supervisor",),
+    # what the composition root wires around it: the signals, the status endpoint
+    "surfaces": ("signals", "httpapi"),
     # what a user runs: the composition root and the commands
     "commands": ("cli", "__main__", "commands", "plancmd", "statuscmd", "provision", "bench"),
 }
@@ -207,3 +213,21 @@ def test_the_checker_finds_the_breaches_we_had(tmp_path: Path) -> None:
     assert cycles(graph) == []
     assert layer_breaches(graph, "pkg", {**layers, "launch": ("preflight", "launch", "runtime")
                                          }) == []
+
+
+# What the state machine must never load, directly or through a module it imports: it drives
+# the machine only through contracts.Parts (issue 29.2).
+MACHINE_MODULES = ("aiohttp", "subprocess", "socket", "http.client", "psutil", "pynvml",
+                   "asyncio", "structlog")
+
+
+def test_importing_the_supervisor_loads_no_machine() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; import qwen4090.supervisor; "
+            f"print(','.join(m for m in {MACHINE_MODULES!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env={"PYTHONPATH": str(PACKAGE.parent), "PATH": ""})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"importing qwen4090.supervisor loads {out.stdout.strip()}"

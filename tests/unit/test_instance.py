@@ -17,7 +17,6 @@ from qwen4090.instance import (
     Instance,
     InstanceError,
     Listener,
-    PortWait,
     ProcInfo,
     describe_holders,
     flock_holders,
@@ -26,6 +25,7 @@ from qwen4090.instance import (
     matches_endpoint,
     runtime_dir,
 )
+from qwen4090.portguard import PortWait
 
 VLLM = ("/opt/qwen4090/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server")
 ENGINE = ("VLLM::EngineCore",)
@@ -198,18 +198,24 @@ def test_unusable_directory_is_one_line_naming_path_and_fix(tmp_path: Path) -> N
     assert "\n" not in msg
 
 
-def test_behind_the_front_a_launch_on_the_engine_port_keeps_the_client_ports_lock(
+def test_behind_the_front_the_lock_is_the_client_ports_and_each_engine_has_its_record(
         tmp_path: Path) -> None:
-    # the launch's vllm.port is the engine's (launch.behind_front): the instance keeps its name
-    from qwen4090.launch import behind_front
+    # a launch keeps the client address in its config; only its engine endpoint moves
+    from qwen4090.launch import configured
 
     env = {"RUNTIME_DIRECTORY": str(tmp_path)}
-    cfg = from_dict({"vllm": {"port": 8300}})
+    cfg = from_dict({"vllm": {"port": 8300}, "front": {"enabled": True, "engine_port": 18300}})
     inst = Instance.take(cfg, Log(), env=env)
     try:
-        inst.follow(behind_front(cfg))
+        serving = configured(cfg)
+        standby = configured(cfg, beside=serving.engine)
+        assert (serving.engine.port, standby.engine.port) == (18300, 18301)
+        inst.follow(standby.config)
         assert inst.lock_path.name == "instance-127.0.0.1-8300.lock"
-        assert inst.record_path.name == "instance-127.0.0.1-8300.child.json"
+        assert inst.record_path_for(serving).name == "instance-127.0.0.1-8300.child.json"
+        assert inst.record_path_for(standby).name == "instance-127.0.0.1-8300.child-18301.json"
+        # after a failover the standby serves on 18301 and the next one starts on 18300
+        assert configured(cfg, beside=standby.engine).engine == serving.engine
     finally:
         inst.close(True)
 

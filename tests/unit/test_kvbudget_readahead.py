@@ -25,11 +25,11 @@ def ready(kv_bytes: int | None = 4 * GIB) -> dict[str, Any]:
     return {"outcome": "ready", "kv_bytes": kv_bytes, "kv_tokens": 30160}
 
 
-def resolve(kv: KvBudget, c: Config, gpu: str = "H200", runtime: str = "vllm 0.26.0"
-            ) -> Launch:
+def resolve(kv: KvBudget, c: Config, gpu: str = "H200", runtime: str = "vllm 0.26.0",
+            beside: launch.Endpoint | None = None) -> Launch:
     """What the daemon's preflight does with the budget on disk (launch.py)."""
     return launch.resolve(c, launch.Facts(GpuMemory(80 * GIB, gpu), kv_budget=kv.read(),
-                                          runtime=runtime))
+                                          runtime=runtime), beside)
 
 
 def record(kv: KvBudget, launched: Launch, report: dict[str, Any]) -> bool:
@@ -42,7 +42,7 @@ def test_the_next_launch_gets_the_bytes_of_the_last_good_start(tmp_path: Path) -
     c = cfg()
     first = resolve(kv, c)
     # nothing recorded yet: vLLM profiles
-    assert (first.config, first.kv_note) == (launch.behind_front(c), None)
+    assert (first.config, first.kv_note) == (c, None)
     assert record(kv, first, ready())
     second = resolve(kv, c)
     assert second.config.vllm.extra_args[-2:] == [FLAG, str(4 * GIB)]
@@ -90,10 +90,10 @@ def test_on_by_default_off_when_asked_and_the_sysadmins_own_flag_wins(tmp_path: 
     assert resolve(kv, plain).config.vllm.extra_args[-2:] == [FLAG, str(4 * GIB)]
     off = from_dict({"vllm": {"model": "/m"}, "restart": {"fixed_kv_budget": False}})
     got = resolve(kv, off)
-    assert (got.config, got.kv_note) == (launch.behind_front(off), None)
+    assert (got.config, got.kv_note) == (off, None)
     own = cfg(extra_args=[FLAG + "=123"])
     got = resolve(kv, own)
-    assert (got.config, got.kv_note) == (launch.behind_front(own), None)
+    assert (got.config, got.kv_note) == (own, None)
     assert not record(kv, got, ready())
 
 
@@ -104,7 +104,7 @@ def test_a_failed_start_with_the_budget_forgets_it(tmp_path: Path) -> None:
     assert not kv.forget(first.kv_budget)  # this launch had no budget: nothing to blame it on
     assert kv.forget(resolve(kv, cfg()).kv_budget)
     got = resolve(kv, cfg())
-    assert (got.config, got.kv_note) == (launch.behind_front(cfg()), None)
+    assert (got.config, got.kv_note) == (cfg(), None)
 
 
 def test_the_runtime_is_read_from_the_commands_venv(tmp_path: Path) -> None:
@@ -121,7 +121,7 @@ def test_the_runtime_is_read_from_the_commands_venv(tmp_path: Path) -> None:
 def test_a_torn_file_means_profile(tmp_path: Path) -> None:
     (tmp_path / "kv_budget.json").write_text("{")
     got = resolve(KvBudget(tmp_path), cfg())
-    assert (got.config, got.kv_note) == (launch.behind_front(cfg()), None)
+    assert (got.config, got.kv_note) == (cfg(), None)
     assert not record(KvBudget(tmp_path), got, ready(None))
 
 
@@ -232,6 +232,7 @@ def test_sleep_mode_engines_get_the_budget_the_first_one_recorded(tmp_path: Path
     assert "--enable-sleep-mode" in first.config.vllm.extra_args and FLAG not in \
         first.config.vllm.extra_args
     assert record(kv, first, ready())
-    standby = launch.on_port(resolve(kv, c), c.front.engine_port + 1)
+    standby = resolve(kv, c, beside=first.engine)
     assert standby.config.vllm.extra_args[-2:] == [FLAG, str(4 * GIB)]
+    assert standby.engine == launch.Endpoint("127.0.0.1", c.front.engine_port + 1)
     assert "--enable-sleep-mode" in standby.argv and str(c.front.engine_port + 1) in standby.argv

@@ -13,7 +13,7 @@ from tests.support.fakes import Log
 from qwen4090 import gpu, learned
 from qwen4090.config import from_dict
 from qwen4090.policy import Cause, ExitVerdict
-from qwen4090.preflight import PreflightResult
+from qwen4090.results import PreflightResult
 
 FP = {"model": "/m", "gpu": "test"}
 

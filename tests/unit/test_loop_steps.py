@@ -20,6 +20,7 @@ from tests.support.fakes import Clock, Log
 
 from qwen4090 import cli, httpapi
 from qwen4090.httpapi import StatusApi, StepTimes
+from qwen4090.states import State
 
 DEADLINE = 10.0  # seconds any wait on the test server may take (never reached when it works)
 
@@ -55,7 +56,7 @@ class OneStepSup:
 
     def __init__(self, steps: int) -> None:
         self.left = steps
-        self.state = cli.State.READY
+        self.state = State.READY
         self.moved = False
 
     @property

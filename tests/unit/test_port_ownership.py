@@ -9,17 +9,15 @@ from tests.support.fakes import CheckedGpu, FakeChild, FakeProbe, Inline, Log, N
 
 from qwen4090.config import Config, from_dict
 from qwen4090.contracts import Parts
-from qwen4090.instance import PortOwner
 from qwen4090.launch import Launch
 from qwen4090.policy import Cause, classify_exit
-from qwen4090.preflight import PreflightResult
 from qwen4090.probes.http import (
     HealthResult,
 )
+from qwen4090.results import PortOwner, PreflightResult, WarmupResult, WarmupRow
 from qwen4090.run import _health_job
 from qwen4090.states import State
 from qwen4090.supervisor import Supervisor
-from qwen4090.warmup import WarmupResult, WarmupRow
 
 STRANGER = "pid 4242 (python3 -m http.server 8000)"
 IN_USE = "OSError: [Errno 98] Address already in use"

@@ -170,3 +170,42 @@ def test_status_and_metrics_show_the_waiting_interpreter(tmp_path: Path) -> None
     pre.discard("test")
     assert pre.status() == {"preimport": None}
     assert registry.get_sample_value("qwen4090_preimport_ready") == 0.0
+
+
+def test_every_engine_the_launcher_starts_leaves_an_interpreter_for_the_next(
+        tmp_path: Path) -> None:
+    """Issue 29.3's seam: a standby's build spawns through the same launcher and took the
+    interpreter prepared for the serving engine's next start; a new one was prepared only at a
+    serving STARTING (a listener), so the next fallback, OOM or reload restart ran without
+    one.  Now each spawn, the standby's included, prepares one for the next start."""
+    from qwen4090 import cli, instance
+    from qwen4090.config import from_dict
+    from qwen4090.launch import configured
+
+    (tmp_path / "fakeserver.py").write_text(textwrap.dedent(ECHO))
+    cfg = from_dict({
+        "vllm": {"command": [sys.executable, "-m", "fakeserver"], "model": str(tmp_path),
+                 "env": {"PYTHONPATH": str(tmp_path), "PYTHONUNBUFFERED": "1"}},
+        "front": {"enabled": True, "engine_port": 18770},
+        "restart": {"preimport": True, "readahead": False, "standby": "awake"}})
+    log = Log()
+    inst = instance.Instance.take(cfg, log, env={"RUNTIME_DIRECTORY": str(tmp_path)})
+    pre = Preimport(log, modules=["json"])
+    lines: list[str] = []
+    launcher = cli.VllmLauncher(inst, pre, lambda stream, line: lines.append(line),
+                                lambda c, line: None, log)
+    try:
+        serving = configured(cfg)
+        standby = configured(cfg, beside=serving.engine)
+        started = [launcher(serving), launcher(standby), launcher(serving)]
+        for c in started:
+            assert collect(c, lines) == 0
+        used = [e["pid"] for e in log.named("preimport_used")]
+        # the first start had none to take; the standby and the restart after it each took
+        # the one the start before prepared
+        assert used == [started[1].pid, started[2].pid], (used, lines)
+        assert pre.proc is not None and pre.proc.poll() is None  # and one waits for the next
+        assert f"serving {list(standby.argv[3:])} True" in lines  # with the standby's argv
+    finally:
+        pre.discard("test over")
+        inst.close(True)

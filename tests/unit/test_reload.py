@@ -152,8 +152,8 @@ class Runtime(CheckedGpu):
         super().__init__()
         self.version = version
 
-    def launch(self, cfg: Any) -> Any:
-        return dataclasses.replace(super().launch(cfg), runtime=self.version[0])
+    def launch(self, cfg: Any, beside: Any = None) -> Any:
+        return dataclasses.replace(super().launch(cfg, beside), runtime=self.version[0])
 
 
 def test_a_reload_after_a_runtime_upgrade_restarts_vllm_on_it() -> None:

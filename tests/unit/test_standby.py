@@ -10,10 +10,9 @@ from typing import Any
 from test_supervisor import Harness
 from tests.support.fakes import FakeChild, FakeFront, FakeProbe
 
-from qwen4090.config import Config
-from qwen4090.contracts import Launch
 from qwen4090.events import EngineMoved, Event, StandbyWoken, Transition
-from qwen4090.instance import PortOwner
+from qwen4090.launch import Launch
+from qwen4090.results import PortOwner
 from qwen4090.standby import Phase
 from qwen4090.states import State
 
@@ -38,12 +37,12 @@ class StandbyHarness(Harness):
         self.sup.keeper.make_probe = self.make_probe
         self.sup.p.listeners.append(self.events.append)
 
-    def make_probe(self, cfg: Config) -> FakeProbe:
-        return self.probes.setdefault(cfg.vllm.port, FakeProbe())
+    def make_probe(self, chosen: Launch) -> FakeProbe:
+        return self.probes.setdefault(chosen.engine.port, FakeProbe())
 
     def spawn(self, launch: Launch) -> FakeChild:
         c = super().spawn(launch)
-        self.ports[c.pid] = launch.config.vllm.port
+        self.ports[c.pid] = launch.engine.port
         c.lines = 1  # its first line: a standby is not stepped by run_until
         return c
 
@@ -63,7 +62,14 @@ class StandbyHarness(Harness):
         self.until(lambda: self.sup.keeper.ready and self.sup.state is S.READY)
 
     def moved(self) -> list[int]:
-        return [e.port for e in self.events if isinstance(e, EngineMoved)]
+        """The ports the front was moved to: each READY names its engine (EngineMoved); a
+        move is one that names another than the last (the first engine is on ENGINE)."""
+        out, last = [], ENGINE
+        for e in self.events:
+            if isinstance(e, EngineMoved) and e.port != last:
+                out.append(e.port)
+                last = e.port
+        return out
 
     def spawned_ports(self) -> list[int]:
         return [self.ports[c.pid] for c in self.children]

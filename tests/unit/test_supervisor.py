@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import signal
@@ -24,17 +25,17 @@ from tests.support.fakes import (
 from qwen4090 import steptime
 from qwen4090 import warmup as warmup_mod
 from qwen4090.config import Config, ConfigError, from_dict
-from qwen4090.contracts import Launch, Parts
+from qwen4090.contracts import Parts
+from qwen4090.launch import Launch
 from qwen4090.policy import Cause, ExitVerdict
-from qwen4090.preflight import PreflightResult
 from qwen4090.probes.http import (
     HealthResult,
     MetricsResult,
 )
+from qwen4090.results import PreflightResult, WarmupResult, WarmupRow
 from qwen4090.run import Run
 from qwen4090.states import State
 from qwen4090.supervisor import Supervisor
-from qwen4090.warmup import WarmupResult, WarmupRow
 
 
 def is_poll(fn: Any) -> bool:
@@ -1070,3 +1071,29 @@ def test_a_stuck_canary_is_judged_on_a_sample_newer_than_itself_not_a_stale_poll
     h.probe.tokens_per_metrics = 0.0  # and a canary stuck with the counters flat still fails
     h.run_until(State.RESTARTING, dt=0.5, limit=60)
     assert h.failure.cause is Cause.CANARY and "stuck" in h.failure.detail
+
+
+def test_the_status_endpoint_reads_what_the_loop_published_never_the_live_supervisor() -> None:
+    """Issue 29.6: the loop publishes an immutable view after each step; the endpoint's
+    threads read that one whole (they used to copy the live Supervisor and retry on
+    RuntimeError while the loop changed it)."""
+    from qwen4090.httpapi import Telemetry, status_document
+
+    h = Harness()
+    h.run_until(State.READY)
+    seen = h.sup.published
+    assert seen.snapshot["state"] == "ready" and seen.snapshot["restarts"] == 0
+    h.child.exit(1, ["ValueError: boom"])
+    h.step(0.25)
+    now = h.sup.published
+    assert now is not seen and now.snapshot["state"] == "restarting"
+    assert seen.snapshot["state"] == "ready" and seen.snapshot["restarts"] == 0  # unchanged
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        seen.cfg = h.cfg  # type: ignore[misc]
+
+    def live(*_a: object) -> object:
+        raise AssertionError("the status thread read the live supervisor")
+
+    h.sup.snapshot = live  # type: ignore[method-assign,assignment]
+    doc = status_document(h.sup, Telemetry(clock=h.clock))
+    assert doc["state"] == "restarting" and doc["restarts"] == now.snapshot["restarts"]

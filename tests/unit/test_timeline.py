@@ -14,6 +14,7 @@ from tests.support.fakes import Clock, Log
 
 from qwen4090 import cli
 from qwen4090.config import from_dict
+from qwen4090.contracts import Published
 from qwen4090.events import ChildExitSeen, HangSeen, Restarted, Transition
 from qwen4090.states import State
 from qwen4090.timeline import MARKS, StartupTimeline, TimelineWatch
@@ -274,6 +275,10 @@ class _Sup:
         self.cfg = from_dict({"status": {"port": port, "host": "127.0.0.1"}})
         self.last_metrics = None
         self.p = _Parts(clock)
+
+    @property
+    def published(self) -> Published:
+        return Published(self.snapshot(), self.cfg, self.last_metrics, 0.0)
 
     def snapshot(self) -> dict[str, Any]:
         return {"state": "ready", "state_reason": "warmed up", "state_seconds": 1.0,

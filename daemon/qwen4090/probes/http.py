@@ -14,61 +14,14 @@ import json
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
 
 from qwen4090.fdlimit import exhausted
 from qwen4090.redact import safe_error
+from qwen4090.results import CompletionResult, HealthResult, MetricsResult
 from qwen4090.vllmfacts import GENERATION_TOKENS as GENERATION_TOKENS  # re-exported for tests
 from qwen4090.vllmfacts import PROBE_MARKER, local_host
 from qwen4090.vllmfacts import RUNNING as RUNNING  # (vLLM's metric names live in vllmfacts)
 from qwen4090.vllmfacts import WAITING as WAITING
-
-
-@dataclass(frozen=True)
-class HealthResult:
-    ok: bool
-    status: int | None
-    seconds: float
-    error: str = ""
-    unseen: bool = False  # not asked: no file descriptor left (no word on vLLM)
-
-
-@dataclass(frozen=True)
-class MetricsResult:
-    ok: bool
-    values: dict[str, float] = field(default_factory=dict)  # family name -> sum over labels
-    seconds: float = 0.0
-    error: str = ""
-    timed_out: bool = False  # no answer in time (a stopped or stuck API server)
-    unseen: bool = False  # not asked: no file descriptor left (no word on vLLM)
-
-    def get(self, name: str, default: float = 0.0) -> float:
-        return self.values.get(name, default)
-
-
-@dataclass(frozen=True)
-class CompletionResult:
-    ok: bool
-    ttft: float | None  # seconds to the first streamed token
-    seconds: float  # whole request
-    tokens: int  # streamed chunks that carried text
-    error: str = ""
-    finish_reason: str | None = None
-    timed_out: bool = False  # no answer in time (as opposed to an error answer)
-    text: str = ""  # the answer's text (greedy: the same weights give the same text)
-    unseen: bool = False  # not asked: no file descriptor left (no word on vLLM)
-
-
-class ProbeLike(Protocol):
-    """vLLM's HTTP API as the supervisor and the warmup use it (:class:`VllmProbe`; the tests'
-    fakes): every call returns a result, never raises."""
-
-    def health(self, timeout: float) -> HealthResult: ...
-    def metrics(self, timeout: float) -> MetricsResult: ...
-    def complete(self, prompt: Sequence[int] | str, max_tokens: int, timeout: float
-                 ) -> CompletionResult: ...
-    def control(self, path: str, timeout: float) -> HealthResult: ...
 
 
 class VllmProbe:
@@ -214,44 +167,6 @@ class VllmProbe:
             return CompletionResult(False, ttft, seconds, tokens, "request aborted by vLLM",
                                     finish)
         return CompletionResult(True, ttft, seconds, tokens, "", finish, text="".join(pieces))
-
-
-UNSEEN_RETRY = 0.5  # seconds between tries of a Patient probe while no file descriptor is left
-Result = TypeVar("Result", HealthResult, MetricsResult, CompletionResult)
-
-
-class Patient:
-    """A probe that asks again while it could not ask (``unseen``: no file descriptor left),
-    within each call's own timeout: for the one-shot questions whose failure is a verdict (the
-    warmup's requests, the standby's checks, a sleeping engine's wake), where a poll is simply
-    sent again at its next interval.  Sleeps on the job's thread, never on the loop's."""
-
-    def __init__(self, probe: ProbeLike, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
-        self.probe = probe
-        self.clock = clock
-        self.sleep = sleep
-
-    def _again(self, ask: Callable[[float], Result], timeout: float) -> Result:
-        end = self.clock() + timeout
-        res = ask(timeout)
-        while res.unseen and (left := end - self.clock()) > UNSEEN_RETRY:
-            self.sleep(UNSEEN_RETRY)
-            res = ask(left - UNSEEN_RETRY)
-        return res
-
-    def health(self, timeout: float) -> HealthResult:
-        return self._again(self.probe.health, timeout)
-
-    def metrics(self, timeout: float) -> MetricsResult:
-        return self._again(self.probe.metrics, timeout)
-
-    def complete(self, prompt: Sequence[int] | str, max_tokens: int, timeout: float
-                 ) -> CompletionResult:
-        return self._again(lambda t: self.probe.complete(prompt, max_tokens, t), timeout)
-
-    def control(self, path: str, timeout: float) -> HealthResult:
-        return self._again(lambda t: self.probe.control(path, t), timeout)
 
 
 def _why(e: BaseException, timeout: float) -> str:
