@@ -154,6 +154,15 @@ def stream(port: int, model: str, i: int, stop: threading.Event, started: thread
             conn.close()
 
 
+def cpu_list(spec: str) -> list[int]:
+    """taskset's list form: "0", "0,2", "0-3" -> the cores."""
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 # --- one run ----------------------------------------------------------------------------------
 
 
@@ -169,6 +178,10 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                      front={"enabled": True, "engine_port": free_port()},
                      gpu={"enabled": "off", "state_directory": str(tmp / "state")},
                      log={"format": "json", "level": "info", "vllm_level": "warning"})
+    if args.engine_cpus:  # the CPU vLLM on these cores only, one OpenMP thread per core
+        v = cfg["vllm"]
+        v["command"] = ["taskset", "-c", args.engine_cpus, *v["command"]]
+        v["env"] = {**v["env"], "OMP_NUM_THREADS": str(len(cpu_list(args.engine_cpus)))}
     path = write_toml(tmp / "qwen4090.toml", cfg)
     d = Daemon(path, tmp, port=int(cfg["vllm"]["port"]), log_path=tmp / "daemon.log")
     stop_streams = threading.Event()
@@ -257,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample", action="store_true",
                     help="sample the daemon's main thread during long steps "
                          "(bench/loop_sampler.py); the tally is printed")
+    ap.add_argument("--engine-cpus", default="",
+                    help="run the CPU vLLM on these cores only (taskset -c LIST, one OpenMP "
+                         "thread per core), e.g. 0: the GPU box's engine does not spin the "
+                         "host's cores; on the 2-vCPU VM an unconfined CPU vLLM pauses every "
+                         "process for seconds (docs/loop-steps.md)")
     ap.add_argument("--label", default="", help="a name for this run in the output")
     ap.add_argument("--out", type=Path, help="append the result as one JSON line")
     args = ap.parse_args(argv)

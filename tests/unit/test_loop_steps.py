@@ -229,3 +229,9 @@ def test_the_bench_says_when_the_daemon_has_no_histogram() -> None:
 def test_quantile_of_an_empty_window_and_of_the_inf_bucket() -> None:
     assert loop_steps.quantile([(0.5, 0.0), (math.inf, 0.0)], 0.5) is None
     assert loop_steps.quantile([(0.5, 1.0), (math.inf, 4.0)], 0.99) == 0.5
+
+
+def test_the_engine_cores_are_read_as_taskset_writes_them() -> None:
+    assert loop_steps.cpu_list("0") == [0]
+    assert loop_steps.cpu_list("0,2") == [0, 2]
+    assert loop_steps.cpu_list("1-3,5") == [1, 2, 3, 5]
