@@ -44,9 +44,10 @@ from qwen4090 import (
 from qwen4090 import config as config_mod
 from qwen4090.commands import config_arg, config_error
 from qwen4090.config import Config, ConfigError
-from qwen4090.contracts import FrontLike, Launch, LogLike, NoFront, Parts
+from qwen4090.contracts import FrontLike, LogLike, NoFront, Parts
 from qwen4090.events import Event, Listener, Reloaded
 from qwen4090.gpu import GpuParts
+from qwen4090.launch import Launch
 from qwen4090.notify import Notifier
 from qwen4090.policy import EX_CONFIG, EX_SOFTWARE, EX_TEMPFAIL, EXIT_CODES
 from qwen4090.probes.http import VllmProbe
