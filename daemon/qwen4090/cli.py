@@ -200,8 +200,7 @@ def serve(args: argparse.Namespace, wake: signals.Wakeup, pending: deque[int]) -
     try:
         return serve_with(args, cfg, log, inst, notifier, door, wake, pending)
     finally:
-        if isinstance(door, front.Front):
-            door.stop()
+        door.stop()
 
 
 def serve_with(args: argparse.Namespace, cfg: Config, log: LogLike, inst: instance.Instance,
@@ -242,13 +241,9 @@ def serve_with(args: argparse.Namespace, cfg: Config, log: LogLike, inst: instan
         runtime_of=launch.runtime_of,
     )
     sup = Supervisor(cfg, parts, signals=pending)
-    parts.listeners.append(watch)
-    if isinstance(door, front.Front):
-        parts.listeners.append(front.steer(door))
+    parts.listeners += [watch, door.listener()]
     gpu.start_watch(cfg, gpu_fault, sup.report_gpu_sample)  # samples: /status, /metrics
-    sources: list[httpapi.StatusSource] = [watch, pre]
-    if isinstance(door, front.Front):
-        sources.append(door)
+    sources: list[httpapi.StatusSource] = [watch, pre, door]
     api = start_status(sup, log, sources=sources)  # /status, /metrics, /livez, /readyz
     parts.listeners.append(reload_fanout(sup, gpu, api, gpu_fault, door))
     try:
@@ -417,7 +412,8 @@ def reload_fanout(sup: Supervisor, gpu: GpuParts, api: httpapi.StatusApi,
         if "status" in changed:
             api.stop()
             api.serve(cfg.status)
-        if ("front" in changed or "vllm" in changed) and isinstance(door, front.Front):
+        if ("front" in changed or "vllm" in changed) and door is not None \
+                and cfg.front.enabled:  # (NoFront: nothing to read a key for)
             # the limits, and the API key (vllm.api_key_file: vLLM gets it at the restart
             # that a [vllm] change makes)
             try:

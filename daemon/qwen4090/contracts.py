@@ -16,9 +16,12 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from qwen4090.config import Config
+
+if TYPE_CHECKING:  # (frontlimits imports aiohttp's parser errors: never at run time here)
+    from qwen4090.frontlimits import Limits
 from qwen4090.events import Listener
 from qwen4090.launch import Endpoint, Launch, configured
 from qwen4090.policy import ExitVerdict
@@ -153,17 +156,48 @@ class NoGpu:
 
 
 class FrontLike(Protocol):
-    """The client port (front.Front): its counts, for the drain and the hang detector.  It is
-    steered by listening to the supervisor's transitions (front.steer)."""
+    """The client port (front.Front): its counts, for the drain and the hang detector; and what
+    the composition root does with it (steer it by the supervisor's events, show it on the
+    status endpoint, reconfigure it at a reload, stop it), so the root needs no isinstance."""
 
     def sample(self) -> FrontSample | None: ...
+    # the supervisor listener that opens and closes it (front.steer)
+    def listener(self) -> Listener: ...
+    @property
+    def api_key(self) -> str | None: ...
+    # a reload's limits and key; applied on the front's own thread
+    def configure(self, limits: Limits, key: str | None) -> None: ...
+    # its part of /status and /metrics (httpapi.StatusSource)
+    def status(self) -> dict[str, Any]: ...
+    def register(self, registry: Any) -> None: ...
+    def stop(self, timeout: float = 5.0) -> None: ...
 
 
 class NoFront:
-    """No front (front.enabled = false, and the state machine's tests): clients talk to vLLM."""
+    """No front (front.enabled = false, and the state machine's tests): clients talk to vLLM;
+    every call does nothing."""
 
     def sample(self) -> FrontSample | None:
         return None
+
+    def listener(self) -> Listener:
+        return lambda event: None
+
+    @property
+    def api_key(self) -> str | None:
+        return None
+
+    def configure(self, limits: Limits, key: str | None) -> None:
+        pass
+
+    def status(self) -> dict[str, Any]:
+        return {}
+
+    def register(self, registry: Any) -> None:
+        pass
+
+    def stop(self, timeout: float = 5.0) -> None:
+        pass
 
 
 class UncheckedPorts:

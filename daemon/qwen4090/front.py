@@ -316,6 +316,10 @@ class Front:
         """The key the front checks now (None: none)."""
         return self._key
 
+    def listener(self) -> Listener:
+        """The supervisor listener that steers this front (:func:`steer`)."""
+        return steer(self)
+
     def configure(self, limits: Limits, key: str | None) -> None:
         """New limits and API key (a reload): they apply at once, to the requests already
         held too (a shorter hold_timeout ends the holds already past it)."""

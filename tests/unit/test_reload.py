@@ -18,6 +18,7 @@ from tests.support.fakes import CheckedGpu
 
 from qwen4090 import cli, gpu, httpapi, logs
 from qwen4090.config import ConfigError, from_dict
+from qwen4090.contracts import NoFront
 from qwen4090.policy import Cause
 from qwen4090.states import State
 
@@ -306,3 +307,36 @@ def test_reload_fanout_moves_the_status_endpoint() -> None:
         assert "status_endpoint_off" in h.log.names()
     finally:
         api.stop()
+
+
+class RecordingFront(NoFront):
+    """A FrontLike that records what the root asks of it at a reload."""
+
+    def __init__(self) -> None:
+        self.configured: list[tuple[Any, str | None]] = []
+
+    def configure(self, limits: Any, key: str | None) -> None:
+        self.configured.append((limits, key))
+
+
+def test_reload_fanout_reconfigures_the_front_through_its_interface(tmp_path: Path) -> None:
+    """The root asks any FrontLike, no isinstance (issue 29.4): with the front on, a [front]
+    change reaches it; with it off (NoFront) nothing is read for it, an unreadable key file
+    included (vLLM's preflight says that, not a front_key_kept)."""
+    on = {"enabled": True, "engine_port": free_port()}
+    h = Harness(raw={"front": on})
+    door = RecordingFront()
+    h.sup.p.listeners.append(cli.reload_fanout(h.sup, gpu.GpuParts(h.log, env={}),
+                                               unserved(h), lambda d: None, door))
+    h.run_until(State.READY)
+    hup(h, cfg_with(front={**on, "max_held": 7}))
+    assert [lim.max_held for lim, _ in door.configured] == [7]
+    off = Harness(raw={"front": {"enabled": False}})
+    nothing = RecordingFront()
+    off.sup.p.listeners.append(cli.reload_fanout(off.sup, gpu.GpuParts(off.log, env={}),
+                                                 unserved(off), lambda d: None, nothing))
+    off.run_until(State.READY)
+    hup(off, cfg_with(front={"enabled": False, "max_held": 7},
+                      vllm={"api_key_file": str(tmp_path / "missing")}))
+    assert "reloaded" in off.log.names() and "reload_refused" not in off.log.names()
+    assert nothing.configured == [] and "front_key_kept" not in off.log.names()
