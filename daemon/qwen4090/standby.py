@@ -244,6 +244,30 @@ class Keeper:
         elif self.quiet_since is None:
             self.quiet_since = now
 
+    def deadlines(self, cfg: Config) -> list[float]:
+        """When the standby, the build around it and the standby groups being stopped want the
+        loop back (Supervisor.next_wakeup; before, only the serving run was asked, and these
+        fell to the loop's idle tick): its load timeout and /health polls, the bound of its
+        check or sleep, each build step's bound, each kill schedule, the next try."""
+        limit = SLEEP_TIMEOUT + cfg.restart.wake_timeout
+        out: list[float] = []
+        run = self.run
+        if run is not None:
+            starting = {Phase.STARTING: State.STARTING, Phase.LOADING: State.LOADING}
+            out += run.deadlines(starting.get(self.phase, State.STOPPING), cfg.watch)
+            if self.phase in (Phase.CHECKING, Phase.SLEEPING):
+                out.append(self.since + limit)
+        for dying in self.dying:
+            out += dying.deadlines(State.STOPPING, cfg.watch)
+        b = self.build
+        if b is not None:
+            out.append(b.step_since + (cfg.stop.drain_timeout if b.step == "drain" else limit))
+        elif self.on and run is None:
+            out.append(self.next_try)
+            if self.quiet_since is not None:
+                out.append(self.quiet_since + cfg.restart.standby_quiet)
+        return out
+
     def due(self, now: float, state: State, cfg: Config) -> bool:
         """A build may begin: on, none built or building, serving READY, after the backoff,
         and the engine quiet for restart.standby_quiet."""

@@ -159,9 +159,10 @@ class Supervisor:
 
     def next_wakeup(self, now: float) -> float:
         """Seconds the loop may sleep before the next step is due: the earliest deadline of the
-        daemon (the backoff's end) and of the run's judges (kill schedule, drain, polls, the
-        hang deadline, the load timeout).  The step after a transition runs at once; a job's
-        result and a signal wake the loop themselves."""
+        daemon (the backoff's end), of the run's judges (kill schedule, drain, polls, the
+        hang deadline, the load timeout) and of the standby's row (Keeper.deadlines).  The
+        step after a transition runs at once; a job's result and a signal wake the loop
+        themselves."""
         if self.moved:
             return 0.0
         run = self.run
@@ -180,6 +181,9 @@ class Supervisor:
         # serving poll not yet sent: that one is due now.
         serving = self.state in states.SERVING_STATES
         waits += [d - now for d in due if d > now or serving]
+        # the standby's row: only what is still ahead (a passed next try or quiet time waits
+        # for the state or the clients, not for the clock)
+        waits += [d - now for d in self.keeper.deadlines(self.cfg) if d > now]
         return max(0.0, min(waits))
 
     def step(self, now: float | None = None) -> None:

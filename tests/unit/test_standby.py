@@ -7,13 +7,14 @@ from __future__ import annotations
 import signal
 from typing import Any
 
+import pytest
 from test_supervisor import Harness
 from tests.support.fakes import FakeChild, FakeFront, FakeProbe
 
 from qwen4090.events import EngineMoved, Event, StandbyWoken, Transition
 from qwen4090.launch import Launch
 from qwen4090.results import PortOwner
-from qwen4090.standby import Phase
+from qwen4090.standby import SLEEP_TIMEOUT, Phase
 from qwen4090.states import State
 
 S = State
@@ -403,3 +404,21 @@ def test_a_stranger_on_the_standby_port_is_never_taken_for_the_standby() -> None
     h.children[0].exit(1, ["RuntimeError: boom"])
     h.until(lambda: len(h.children) == 3)  # a fresh vLLM, not a failover to the stranger
     assert h.sup.keeper.failovers == 0 and h.moved() == []
+
+
+def test_the_loops_wakeup_covers_the_standbys_deadlines() -> None:
+    """Issue 29.3: next_wakeup asked only the serving run, so the standby's load timeout, the
+    bound of its check or sleep, the build's steps and its kill schedules fell to the idle
+    tick.  Now the keeper's row is asked too (only what is still ahead)."""
+    h = StandbyHarness("awake")
+    h.standby_ready()
+    k, now = h.sup.keeper, h.clock.t
+    h.sup.moved = False
+    limit = SLEEP_TIMEOUT + h.sup.cfg.restart.wake_timeout
+    k.phase, k.since = Phase.CHECKING, now  # its check answered nothing yet: bound far ahead
+    without = h.sup.next_wakeup(now)
+    assert without > 0.001
+    k.since = now - limit + 0.001  # ... and now 1 ms before its bound
+    assert h.sup.next_wakeup(now) == pytest.approx(0.001)
+    k.since = now - limit - 5.0  # a passed bound is acted on by the step, never spun on
+    assert h.sup.next_wakeup(now) == pytest.approx(without)
