@@ -18,7 +18,7 @@ import pytest
 from tests.support.clients import record
 from tests.support.daemon import Daemon
 from tests.support.load import CLIENTS, Load, stream_endings, summary
-from tests.support.runtime import cpu_config, free_port, write_toml
+from tests.support.runtime import cpu_config, free_port, on_one_core, write_toml
 
 START_TIMEOUT = 240.0
 RESTART_TIMEOUT = 180.0
@@ -28,10 +28,10 @@ RESTART_TIMEOUT = 180.0
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tmp = tmp_path_factory.mktemp("front")
     port = free_port()
-    cfg = write_toml(tmp / "qwen4090.toml", cpu_config(
+    cfg = write_toml(tmp / "qwen4090.toml", on_one_core(cpu_config(
         port, front={"enabled": True, "engine_port": free_port(), "hold_timeout": 150.0},
         watch={"poll_interval": 1.0, "hang_timeout": 8.0, "canary_interval": 5.0,
-               "canary_timeout": 10.0, "unhealthy_timeout": 15.0}))
+               "canary_timeout": 10.0, "unhealthy_timeout": 15.0})))
     (tmp / "conf.d").mkdir()
     d = Daemon(cfg, tmp, port=port, log_path=tmp / "daemon.log")
     yield d

@@ -78,6 +78,20 @@ def cpu_config(port: int, **sections: dict[str, Any]) -> Config:
     return merge(cfg, sections)
 
 
+def on_one_core(cfg: Config, core: int = 0) -> Config:
+    """The CPU vLLM confined to one core with one OpenMP thread (``taskset``), the supervisor
+    and the test's clients free.  On a 2-vCPU VM an unconfined CPU vLLM under load pauses the
+    whole machine for seconds at a time while its engine keeps generating (docs/loop-steps.md:
+    gaps of 3.9-11.4 s beside it, none with it on one core); a fault test that needs work in
+    flight at its fault then kills an engine that had already finished (two CI runs: the
+    streams "in progress" at the SIGKILL ended in [DONE]).  The GPU box's engine does not spin
+    the host's cores."""
+    v = cfg["vllm"]
+    v["command"] = ["taskset", "-c", str(core), *v["command"]]
+    v["env"] = {**v.get("env", {}), "OMP_NUM_THREADS": "1"}
+    return cfg
+
+
 def demo_config(port: int, root: Path = REPO) -> Config:
     """What scripts/demo.sh serves: the CPU runtime with the shipped timers."""
     rt = root / ".runtime"
