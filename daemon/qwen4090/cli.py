@@ -238,7 +238,6 @@ def serve_with(args: argparse.Namespace, cfg: Config, log: LogLike, inst: instan
         executor=ThreadRunner(wake.wake),
         log=log,
         front=door,
-        runtime_of=launch.runtime_of,
     )
     sup = Supervisor(cfg, parts, signals=pending)
     parts.listeners += [watch, door.listener()]

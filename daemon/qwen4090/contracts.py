@@ -229,6 +229,3 @@ class Parts:
     gpu: GpuLike = field(default_factory=NoGpu)
     ports: PortsLike = field(default_factory=UncheckedPorts)
     front: FrontLike = field(default_factory=NoFront)
-    # "vllm 0.26.0" in vllm.command's venv now ("" = cannot tell): a reload after a runtime
-    # upgrade restarts vLLM on the new one (launch.runtime_of)
-    runtime_of: Callable[[Config], str] = lambda cfg: ""

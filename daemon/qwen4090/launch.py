@@ -248,3 +248,32 @@ def _changed(before: Config, after: Config) -> list[str]:
     if before is after:
         return []
     return [k for k in LIMIT_KEYS if getattr(before.vllm, k) != getattr(after.vllm, k)]
+
+
+def relaunch_changes(a: Launch, b: Launch) -> str:
+    """What launching ``b`` instead of ``a`` changes for vLLM: the flags of its command line
+    that differ, its environment ([vllm] env, the API key file); "" when nothing (the one rule
+    of what a reload restarts: Supervisor.relaunch_reason)."""
+    out: list[str] = []
+    if a.argv != b.argv:
+        fa, fb = _flags(a.argv), _flags(b.argv)
+        flags = [f"{k} {fa.get(k, '(none)')} -> {fb.get(k, '(none)')}"
+                 for k in sorted({*fa, *fb}) if fa.get(k) != fb.get(k)]
+        out += flags or ["vLLM's command line"]
+    va, vb = a.config.vllm, b.config.vllm
+    if va.env != vb.env:
+        out.append("vllm.env")
+    if va.api_key_file != vb.api_key_file:
+        out.append("vllm.api_key_file")
+    return ", ".join(out)
+
+
+def _flags(argv: tuple[str, ...]) -> dict[str, str]:
+    """``--flag value`` (or a bare ``--flag``: "on") pairs of a command line, for a message."""
+    out: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        if arg.startswith("--"):
+            nxt = argv[i + 1] if i + 1 < len(argv) else ""
+            value = nxt if nxt and not nxt.startswith("--") else "on"
+            out[arg] = f"{out[arg]} {value}" if arg in out else value
+    return out

@@ -16,6 +16,7 @@ Serving two engines under one supervisor would be a list of Runs, each with its 
 
 from __future__ import annotations
 
+import enum
 import signal
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -98,11 +99,30 @@ class _Verdicts:
         return any(isinstance(v, Fail) for v in self.out)
 
 
+class Job(enum.Enum):
+    """What a job in flight asks of an engine; its result goes to one handler (the
+    supervisor's ``route``), chosen by the job and the engine's role."""
+
+    HEALTH = "health"  # /health while loading (the serving engine's start, the standby's)
+    WARMUP = "warmup"
+    POLL = "poll"  # the serving watch: /health + /metrics
+    CANARY = "canary"
+    DRAIN_GAUGES = "drain_gauges"  # taken by the run itself (its drain)
+    CHECK = "check"  # the standby's known answer
+    SLEEP = "sleep"  # ... and its sleep
+    BUILD_REFERENCE = "build_reference"  # the serving engine's answer before it sleeps
+    BUILD_SLEEP = "build_sleep"  # ... its sleep for the standby's build
+    BUILD_WAKE = "build_wake"  # ... its wake after it
+    BUILD_CHECK = "build_check"  # ... and its answer again
+    FAILOVER_WAKE = "failover_wake"  # the promoted standby's wake
+    FAILOVER_CHECK = "failover_check"  # ... and its known answer
+
+
 @dataclass
 class Task:
     """A job in flight on the executor about this run."""
 
-    kind: str
+    kind: Job
     started: float
     future: Future[Any]
     job: Any = None  # the callable, when it reports partial progress (_PollJob)
@@ -123,7 +143,7 @@ class Run:
         self.log = log
         self._submit = submit
         self.clock = clock
-        self.tasks: dict[str, Task] = {}
+        self.tasks: dict[Job, Task] = {}
         self.next_load_poll = now
         self.warmup_progress = ""
         self.warmup_started = self.last_warmup_step = now
@@ -148,7 +168,7 @@ class Run:
 
     # --- jobs ------------------------------------------------------------------------------
 
-    def submit(self, now: float, kind: str, fn: Callable[[], Any]) -> None:
+    def submit(self, now: float, kind: Job, fn: Callable[[], Any]) -> None:
         self.tasks[kind] = Task(kind, now, self._submit(fn), fn)
 
     def finished(self, now: float) -> Iterator[tuple[Task, Any]]:
@@ -162,11 +182,12 @@ class Run:
             try:
                 result = task.future.result()
             except Exception as e:
-                self.log.error("probe_crashed", kind=kind, error=safe_error(e, where=True))
+                self.log.error("probe_crashed", kind=kind.value, error=safe_error(e, where=True))
                 continue
-            if kind == "drain_gauges" and self.drain is not None:
-                self.drain.on_gauges(*result)
-            elif not kind.startswith("drain"):
+            if kind is Job.DRAIN_GAUGES:
+                if self.drain is not None:
+                    self.drain.on_gauges(*result)
+            else:
                 yield task, result
 
     def cancel_tasks(self) -> None:
@@ -185,11 +206,11 @@ class Run:
             out.append(self.spawned_at + w.load_timeout)
         if state is State.LOADING:
             out.append(self.next_load_poll)
-        if state in (State.READY, State.DEGRADED) and "poll" not in self.tasks:
+        if state in (State.READY, State.DEGRADED) and Job.POLL not in self.tasks:
             # A canary in flight, or withheld while the engine is busy, is not due before the
             # next poll says otherwise: its past deadline would make the loop spin (measured on
             # the H200: a core of the supervisor at c=1, the front's TTFT +5 ms).
-            waits = "canary" in self.tasks or bool(self.last_metrics and _busy(self.last_metrics))
+            waits = Job.CANARY in self.tasks or bool(self.last_metrics and _busy(self.last_metrics))
             out.append(self.serving.next_deadline(w.poll_interval,
                                                   0.0 if waits else w.canary_interval))
         return out
@@ -205,7 +226,7 @@ class Run:
         if state is State.WARMING:
             # the warmup's own bound: one that is still making progress has returned by then
             limit = warmup.bound(cfg)
-            if "warmup" in self.tasks and now - self.warmup_started > limit:
+            if Job.WARMUP in self.tasks and now - self.warmup_started > limit:
                 return [Fail(ExitVerdict(Cause.WARMUP_FAILED, f"warmup overran {limit:g}s",
                                          True))]
             return []
@@ -215,8 +236,8 @@ class Run:
             return [Fail(ExitVerdict(Cause.LOAD_TIMEOUT, f"/health not 200 within "
                                                          f"{w.load_timeout:g}s "
                                                          "(watch.load_timeout)", True))]
-        if state is State.LOADING and now >= self.next_load_poll and "health" not in self.tasks:
-            self.submit(now, "health", _health_job(self.probe, w.health_timeout,
+        if state is State.LOADING and now >= self.next_load_poll and Job.HEALTH not in self.tasks:
+            self.submit(now, Job.HEALTH, _health_job(self.probe, w.health_timeout,
                                                    self.owner_check(ports)))
             self.next_load_poll = now + LOAD_POLL_INTERVAL
         return []
@@ -232,7 +253,7 @@ class Run:
             self.last_warmup_step = self.clock()
 
         # a warmup request that finds no file descriptor is sent again, not a failed warmup
-        self.submit(now, "warmup", lambda: warmup(cfg, Patient(probe), progress))
+        self.submit(now, Job.WARMUP, lambda: warmup(cfg, Patient(probe), progress))
 
     def warmed(self, res: WarmupResult, cfg: Config) -> ExitVerdict | None:
         """The warmup's result, said in the journal: a failure's verdict, or None (READY).
@@ -330,18 +351,18 @@ class Run:
             out.fail(self.said_dead(ExitVerdict(Cause.ENGINE_DEAD,
                                                 f"vLLM's EngineCore died: {gone}", True)))
             return out.out
-        if self.serving.poll_due(now, w.poll_interval) and "poll" not in self.tasks:
-            self.submit(now, "poll", _PollJob(self.probe, w.health_timeout, self.clock,
+        if self.serving.poll_due(now, w.poll_interval) and Job.POLL not in self.tasks:
+            self.submit(now, Job.POLL, _PollJob(self.probe, w.health_timeout, self.clock,
                                               self.owner_check(ports)))
             self.serving.polled(now)
         self.poll_in_flight(now, w, out)
         if out.failed:
             return out.out
-        if self.serving.canary_due(now, w.canary_interval) and "canary" not in self.tasks \
+        if self.serving.canary_due(now, w.canary_interval) and Job.CANARY not in self.tasks \
                 and not (self.last_metrics and _busy(self.last_metrics)):
             self.canary_base = _progress_of(self.last_metrics) if self.last_metrics else None
             self.canary_judged_at = now
-            self.submit(now, "canary", _canary_job(self.probe, w.canary_timeout,
+            self.submit(now, Job.CANARY, _canary_job(self.probe, w.canary_timeout,
                                                    w.health_timeout))
             self.serving.last_canary = now
         self.canary_in_flight(now, w, out)
@@ -349,7 +370,7 @@ class Run:
 
     def canary_in_flight(self, now: float, w: WatchConfig, out: _Verdicts) -> None:
         """A canary with no answer is judged once per window: the tokens must have moved."""
-        canary = self.tasks.get("canary")
+        canary = self.tasks.get(Job.CANARY)
         if canary is None or now - self.canary_judged_at <= w.canary_timeout + 5:
             return
         if self.metrics_at is None or self.metrics_at <= self.canary_judged_at:
@@ -378,7 +399,7 @@ class Run:
         probe's own result arrives only after its timeouts, so waiting for it would push the
         detection past unhealthy_timeout + one poll.
         """
-        poll = self.tasks.get("poll")
+        poll = self.tasks.get(Job.POLL)
         if poll is None or not isinstance(poll.job, _PollJob):
             return
         health = poll.job.health
@@ -547,8 +568,8 @@ class Run:
                               waiting=sample.waiting if sample else None)
             self.drain = None
             return ("the drain deadline passed" if busy and expired else ""), fields
-        if front is None and self.drain.gauges_due(now, "drain_gauges" in self.tasks):
-            self.submit(now, "drain_gauges", _drain_gauges_job(self.probe, timeout))
+        if front is None and self.drain.gauges_due(now, Job.DRAIN_GAUGES in self.tasks):
+            self.submit(now, Job.DRAIN_GAUGES, _drain_gauges_job(self.probe, timeout))
         return None
 
     def abort(self, now: float, term_timeout: float, hung: bool) -> list[int]:

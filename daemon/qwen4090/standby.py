@@ -32,7 +32,7 @@ from qwen4090.launch import Launch
 from qwen4090.policy import Cause, ExitVerdict
 from qwen4090.redact import safe_error
 from qwen4090.results import CompletionResult, FrontSample, HealthResult, Patient, ProbeLike
-from qwen4090.run import Fail, Move, Run
+from qwen4090.run import Fail, Job, Move, Run
 from qwen4090.states import State
 
 # The known answer: a greedy completion of these token ids (ids < 1000 exist in every
@@ -74,16 +74,74 @@ class Ask:
     verdict: ExitVerdict | None = None
 
 
+class Step(enum.Enum):
+    """Where a takeover is: one value, not four flags (issue 29.3)."""
+
+    KILL = "kill"  # the failed group is killed (a polite stop would only delay the standby)
+    GPU = "gpu"  # it is gone: an asleep standby waits for its GPU memory, or for room
+    WAKE = "wake"  # the standby's /wake_up is in flight (sleep mode)
+    CHECK = "check"  # its known answer is asked for
+    FALL_BACK = "fall_back"  # it did not take over: its group is stopped, then a normal restart
+
+
+# The takeover's only moves; anything else is a bug (as states.ALLOWED for the daemon).
+STEPS_NEXT: dict[Step, frozenset[Step]] = {
+    Step.KILL: frozenset({Step.GPU}),
+    Step.GPU: frozenset({Step.WAKE, Step.CHECK}),
+    Step.WAKE: frozenset({Step.CHECK, Step.FALL_BACK}),
+    Step.CHECK: frozenset({Step.FALL_BACK}),
+    Step.FALL_BACK: frozenset(),
+}
+
+
 @dataclass
 class Failover:
-    """One takeover, from the fault seen to serving again."""
+    """One takeover, from the fault seen to serving again (or to the normal restart): the
+    supervisor holds the one in progress (its sub-state of RESTARTING), the keeper the last
+    one's figures.  Its decisions are pure: each returns why it failed ("" when it did not)."""
 
     cause: str
     started: float
+    step: Step = Step.KILL
+    since: float = 0.0  # when the step began
+    promoted: float | None = None  # the standby's run became the serving one
     woken: float | None = None
     ok: bool = False
     seconds: float | None = None
     kv_tokens: int | None = None
+    answer: str | None = None  # the promoted standby's known answer, taken before it slept
+
+    def to(self, step: Step, now: float) -> None:
+        if step not in STEPS_NEXT[self.step]:
+            raise ValueError(f"failover step {self.step.value} -> {step.value} is not allowed")
+        self.step, self.since = step, now
+
+    @property
+    def waking(self) -> bool:
+        """The standby is being woken and checked (STATUS= says so)."""
+        return self.step in (Step.WAKE, Step.CHECK)
+
+    def overdue(self, now: float, wake_timeout: float) -> str:
+        """The wake and the check are bounded together, from the promotion."""
+        limit = 2 * wake_timeout + 5
+        if self.waking and self.promoted is not None and now - self.promoted > limit:
+            return f"no wake and check within {limit:g}s"
+        return ""
+
+    def on_wake(self, now: float, res: HealthResult) -> str:
+        if not res.ok:
+            return f"the wake failed: {res.error}"
+        self.woken = now
+        self.to(Step.CHECK, now)
+        return ""
+
+    def on_check(self, res: CompletionResult) -> str:
+        why = answered(res, self.answer)
+        return f"its check: {why}" if why else ""
+
+    def ended(self, now: float, ok: bool) -> None:
+        self.ok = ok
+        self.seconds = now - self.started
 
     def as_json(self) -> dict[str, Any]:
         return {"cause": self.cause, "ok": self.ok,
@@ -128,8 +186,6 @@ class Keeper:
     fallbacks: int = 0
     rebuilds: int = 0
     last_failover: Failover | None = None
-    current: Failover | None = None
-    promoted_answer: str | None = None  # the known answer of the standby now taking over
     detail: str = ""
 
     def __post_init__(self) -> None:
@@ -160,34 +216,28 @@ class Keeper:
         """Would the standby take over this failure of a serving engine?"""
         return serving and self.ready and verdict.retry and verdict.cause in TAKES_OVER
 
-    def promote(self, now: float, cause: str, started: float) -> Run:
+    def promote(self, now: float, f: Failover) -> Run:
         """The failover: the standby's run becomes the serving one; its wake (sleep mode) or
         straight its check (awake) is sent.  The supervisor harvests ``failover_*`` jobs."""
         run = self.run
         assert run is not None and self.phase is Phase.READY
         self.run = None
-        self.current = Failover(cause, started, kv_tokens=self.kv_tokens)
+        f.kv_tokens, f.promoted = self.kv_tokens, now
         self.phase, self.since = Phase.WAKING, now
-        self.promoted_answer, self.answer = self.answer, None
+        f.answer, self.answer = self.answer, None
         timeout = run.config.restart.wake_timeout
         if self.sleeps:
-            run.submit(now, "failover_wake", control_job(run.probe, "/wake_up", timeout))
+            f.to(Step.WAKE, now)
+            run.submit(now, Job.FAILOVER_WAKE, control_job(run.probe, "/wake_up", timeout))
         else:
-            self.current.woken = now
-            run.submit(now, "failover_check", check_job(run.probe, timeout))
+            f.woken = now
+            f.to(Step.CHECK, now)
+            run.submit(now, Job.FAILOVER_CHECK, check_job(run.probe, timeout))
         return run
 
-    def woken(self, now: float) -> None:
-        if self.current is not None:
-            self.current.woken = now
-
-    def failover_done(self, now: float, ok: bool) -> None:
-        f = self.current
-        if f is not None:
-            f.ok = ok
-            f.seconds = now - f.started
-            self.last_failover = f
-            self.current = None
+    def failover_done(self, now: float, f: Failover, ok: bool) -> None:
+        f.ended(now, ok)
+        self.last_failover = f
         if ok:
             self.failovers += 1
         else:
@@ -339,11 +389,8 @@ class Keeper:
         """One step of the standby and of the build around it; what the supervisor must do."""
         asks: list[Ask] = []
         run = self.run
-        if run is not None:
-            for task, result in run.finished(now):
-                asks += self._on_job(now, task.kind, result, cfg, serving)
-            if self.run is run:
-                asks += self._watch(now, run, cfg, ports, serving)
+        if run is not None:  # (its jobs' results come through on_job)
+            asks += self._watch(now, run, cfg, ports, serving)
         b = self.build
         if b is not None and serving is not None and self.sleeps:
             asks += self._serving_step(now, b, cfg, serving, front)
@@ -368,30 +415,32 @@ class Keeper:
                                   f"{SLEEP_TIMEOUT + cfg.restart.wake_timeout:g}s", cfg, serving)
         return []
 
-    def _on_job(self, now: float, kind: str, result: Any, cfg: Config, serving: Run | None
-                ) -> list[Ask]:
+    def on_job(self, now: float, kind: Job, result: Any, cfg: Config, serving: Run | None
+               ) -> list[Ask]:
+        """A job of the standby's own run is done (Supervisor.route)."""
         run = self.run
-        assert run is not None
+        if run is None:
+            return []
         timeout = cfg.restart.wake_timeout
-        if kind == "health" and self.phase is Phase.LOADING:
+        if kind is Job.HEALTH and self.phase is Phase.LOADING:
             health, owner = result
             # another program's 200 on the standby's port is not the standby's (journaled)
             if health.ok and run.child.poll() is None \
                     and (owner is None or run.stranger(owner) is None):
                 self.phase, self.since = Phase.CHECKING, now
-                run.submit(now, "check", check_job(run.probe, timeout))
-        elif kind == "check" and self.phase is Phase.CHECKING:
+                run.submit(now, Job.CHECK, check_job(run.probe, timeout))
+        elif kind is Job.CHECK and self.phase is Phase.CHECKING:
             if (why := answered(result, None)):
                 return self.lost(now, f"its check: {why}", cfg, serving)
             self.answer = result.text
             if self.sleeps:
                 self.phase, self.since = Phase.SLEEPING, now
-                run.submit(now, "sleep", control_job(run.probe, f"/sleep?level={SLEEP_LEVEL}",
+                run.submit(now, Job.SLEEP, control_job(run.probe, f"/sleep?level={SLEEP_LEVEL}",
                                                      SLEEP_TIMEOUT))
             else:
                 self.standby_ready(now)
                 return self._built(now, serving)
-        elif kind == "sleep" and self.phase is Phase.SLEEPING:
+        elif kind is Job.SLEEP and self.phase is Phase.SLEEPING:
             if not result.ok:
                 return self.lost(now, f"it did not sleep: {result.error}", cfg, serving)
             self.standby_ready(now)
@@ -428,7 +477,7 @@ class Keeper:
             left = 0 if front is None else front.in_flight - front.holding
             if left <= 0:
                 b.step, b.step_since = "reference", now
-                serving.submit(now, "standby_reference",
+                serving.submit(now, Job.BUILD_REFERENCE,
                                check_job(serving.probe, cfg.restart.wake_timeout))
             elif now - b.step_since > cfg.stop.drain_timeout:
                 self.build_failed(now, f"{left} requests still in flight after "
@@ -449,25 +498,25 @@ class Keeper:
 
     def _wake_after(self, now: float, b: Build, serving: Run) -> list[Ask]:
         b.step, b.step_since = "wake", now
-        serving.submit(now, "standby_wake", control_job(serving.probe, "/wake_up",
+        serving.submit(now, Job.BUILD_WAKE, control_job(serving.probe, "/wake_up",
                                                         serving.config.restart.wake_timeout))
         return []
 
-    def on_serving_job(self, now: float, kind: str, result: Any, serving: Run,
+    def on_serving_job(self, now: float, kind: Job, result: Any, serving: Run,
                        standby_launch: Callable[[], Launch]) -> list[Ask]:
         """The serving engine's answers during a build (sleep mode)."""
         b = self.build
         if b is None:
             return []
-        if kind == "standby_reference" and b.step == "reference":
+        if kind is Job.BUILD_REFERENCE and b.step == "reference":
             if (why := answered(result, None)):
                 self.build_failed(now, f"the serving engine's check before it sleeps: {why}")
                 return self._built(now, serving)
             b.serving_answer = result.text
             b.step, b.step_since = "sleep", now
-            serving.submit(now, "standby_sleep", control_job(
+            serving.submit(now, Job.BUILD_SLEEP, control_job(
                 serving.probe, f"/sleep?level={SLEEP_LEVEL}", SLEEP_TIMEOUT))
-        elif kind == "standby_sleep" and b.step == "sleep":
+        elif kind is Job.BUILD_SLEEP and b.step == "sleep":
             if not result.ok:
                 self.build_failed(now, f"the serving engine did not sleep: {result.error}")
                 return self._wake_after(now, b, serving)
@@ -475,15 +524,15 @@ class Keeper:
             self.start_standby(now, standby_launch())
             if self.run is None:  # could not even start
                 return self._wake_after(now, b, serving)
-        elif kind == "standby_wake" and b.step == "wake":
+        elif kind is Job.BUILD_WAKE and b.step == "wake":
             if not result.ok:
                 self.build = None
                 return [Ask("fail", "", ExitVerdict(Cause.UNHEALTHY, "the serving engine did "
                                                     f"not wake: {result.error}", True))]
             b.step, b.step_since = "check", now
-            serving.submit(now, "standby_check", check_job(
+            serving.submit(now, Job.BUILD_CHECK, check_job(
                 serving.probe, serving.config.restart.wake_timeout))
-        elif kind == "standby_check" and b.step == "check":
+        elif kind is Job.BUILD_CHECK and b.step == "check":
             self.build = None
             if (why := answered(result, b.serving_answer)):
                 return [Ask("fail", "", ExitVerdict(Cause.CANARY, "after its sleep for the "

@@ -36,7 +36,7 @@ from qwen4090.events import (
     Transition,
     WarmedUp,
 )
-from qwen4090.launch import Launch, configured, engine_endpoint
+from qwen4090.launch import Launch, configured, engine_endpoint, relaunch_changes
 from qwen4090.policy import (
     EX_CONFIG,
     EX_GPU,
@@ -57,8 +57,8 @@ from qwen4090.results import (
     PortOwner,
     WarmupResult,
 )
-from qwen4090.run import Fail, Move, Run, Verdict
-from qwen4090.standby import Ask, Keeper, answered, check_job
+from qwen4090.run import Fail, Job, Move, Run, Task, Verdict
+from qwen4090.standby import Ask, Failover, Keeper, Step, check_job
 from qwen4090.states import State
 
 S = State
@@ -72,6 +72,7 @@ IDLE_TICK = 0.5
 WAIT_TICK = 0.2
 LAST_LINES_TICK = 0.02  # vLLM's last lines: the pipes end milliseconds after its group
 ENGINE_TICK = 0.2  # while serving: how soon a dead EngineCore is seen (a /proc read per look)
+BUILD_JOBS = frozenset({Job.BUILD_REFERENCE, Job.BUILD_SLEEP, Job.BUILD_WAKE, Job.BUILD_CHECK})
 FD_RETRY = 2.0  # a preflight that found no file descriptor to look with runs again this soon
 
 
@@ -110,10 +111,8 @@ class Supervisor:
         self.keeper = Keeper(cfg.restart.standby if cfg.front.enabled else "off", self.log,
                              parts.spawn, parts.make_probe,
                              lambda fn: self.p.executor.submit(fn), parts.clock, since=now)
-        self.takeover = False  # the failure being stopped will be taken over by the standby
-        self.waking = False  # the standby is being woken and checked (state RESTARTING)
-        self.fell_back = False  # ... and failed: its group is stopped, then a normal restart
-        self.failover_pending = False  # the failed group is gone: wake once the GPU let go
+        # the takeover of the failure being handled (RESTARTING's sub-state; standby.Step)
+        self.failover: Failover | None = None
         # A look that found no file descriptor (fdlimit.py): said once per burst, and the
         # preflight that could not look runs again at look_again_at, not counted.
         self.pressure = fdlimit.PRESSURE
@@ -166,8 +165,9 @@ class Supervisor:
         if self.moved:
             return 0.0
         run = self.run
+        waits_gpu = self.failover is not None and self.failover.step is Step.GPU
         if self.state is S.RESTARTING and ((run is not None and run.gone_at is not None)
-                                           or self.failover_pending):
+                                           or waits_gpu):
             return LAST_LINES_TICK  # (a failover waits for the GPU to let go: not a tick)
         waits = [IDLE_TICK]
         if self.state in (S.RESTARTING, S.STOPPING, S.STARTING, S.LOADING):
@@ -248,7 +248,7 @@ class Supervisor:
         serving = self.state in states.SERVING_STATES
         self.notify_stopping(f"stopping: {why}")
         self.transition(now, S.STOPPING, why)
-        self.waking = self.fell_back = self.failover_pending = False
+        self.failover = None
         self.keeper.discard(now, f"stopping: {why}", self.cfg.stop.term_timeout)
         if run is None:
             return
@@ -306,10 +306,7 @@ class Supervisor:
         self.log.info("reloaded", changed=",".join(changed) or "nothing",
                       files=",".join(new.sources))
         self.emit(Reloaded(tuple(changed)))
-        why = "[vllm] settings changed" if "vllm" in changed else self.runtime_changed(new)
-        if not why and "sleep" in (old.restart.standby, new.restart.standby) \
-                and old.restart.standby != new.restart.standby:
-            why = "restart.standby changed vLLM's sleep mode (--enable-sleep-mode)"
+        why = self.relaunch_reason(old, new)
         if why and self.state in states.CHILD_STATES:
             self.log.warning("restart_for_reload", reason=why,
                              old_argv_len=len(old.vllm.command))
@@ -317,12 +314,19 @@ class Supervisor:
         if announce:  # READY=1 ends the reload (the restart, if any, goes on)
             self.p.notifier.ready(self.status_line(now))
 
-    def runtime_changed(self, cfg: Config) -> str:
-        """A new vLLM in vllm.command's venv since the launch (qwen4090 install-runtime
-        switched it): a reload restarts vLLM on it, behind the front a blip (issue 20.6)."""
+    def relaunch_reason(self, old: Config, new: Config) -> str:
+        """The one rule of what a reload restarts (issue 29.5): vLLM restarts iff its next
+        launch differs from the serving one.  Its command line and environment are compared
+        as both configs would launch now, on the same facts (learned limits, the KV budget,
+        the GPU), so that only the config's change counts; the runtime in vllm.command's venv
+        against the one the serving engine started on (install-runtime switched it: behind the
+        front a blip, issue 20.6)."""
+        nxt = self.p.gpu.launch(new)
         was = self.launch.runtime
-        now = self.p.runtime_of(cfg) if was else ""
-        return f"vLLM runtime changed: {was} -> {now}" if now and now != was else ""
+        if was and nxt.runtime and nxt.runtime != was:
+            return f"vLLM runtime changed: {was} -> {nxt.runtime}"
+        changes = relaunch_changes(self.p.gpu.launch(old), nxt)
+        return f"vLLM's launch changed: {changes}" if changes else ""
 
     def handle_reports(self, now: float) -> None:
         """What the NVML threads reported: samples go to the listeners (from the loop's
@@ -344,16 +348,29 @@ class Supervisor:
                 self.give_up(now, EX_GPU, f"{v.cause.value}: {v.detail}")
 
     def harvest(self, now: float) -> None:
-        """The run's finished jobs, each to its ``on_<kind>`` (a gone run's are never read)."""
-        run = self.run
-        if run is None:
-            return
-        for task, result in run.finished(now):
-            if task.kind.startswith("standby_"):  # the build's sleep and wake (standby.py)
-                self.carry_out(now, self.keeper.on_serving_job(now, task.kind, result, run,
-                                                               self.standby_launch))
-                continue
-            getattr(self, f"on_{task.kind}")(now, result, task.started)
+        """Every engine's finished jobs, each to ``route`` (a gone run's are never read)."""
+        for run in (self.run, self.keeper.run):
+            if run is not None:
+                for task, result in run.finished(now):
+                    self.route(now, run, task, result)
+
+    def route(self, now: float, run: Run, task: Task, result: Any) -> None:
+        """The one place a job's result goes, chosen by the job and the engine's role: the
+        standby's own jobs to its keeper; of the serving engine's, the build's to the keeper
+        and the rest to this supervisor's ``on_<job>``."""
+        job = task.kind
+        if run is not self.run:  # a standby being built
+            serving = self.run if self.state in (S.READY, S.DEGRADED, S.REBUILDING) else None
+            self.carry_out(now, self.keeper.on_job(now, job, result, self.cfg, serving))
+        elif job in BUILD_JOBS:  # the serving engine's sleep and wake around a build
+            self.carry_out(now, self.keeper.on_serving_job(now, job, result, run,
+                                                           self.standby_launch))
+        else:
+            handlers: dict[Job, Callable[[float, Any, float], None]] = {
+                Job.HEALTH: self.on_health, Job.WARMUP: self.on_warmup, Job.POLL: self.on_poll,
+                Job.CANARY: self.on_canary, Job.FAILOVER_WAKE: self.on_failover_wake,
+                Job.FAILOVER_CHECK: self.on_failover_check}
+            handlers[job](now, result, task.started)
 
     def reap(self, now: float) -> None:
         run = self.run
@@ -418,8 +435,7 @@ class Supervisor:
         k = self.keeper
         if not k.on and k.run is None and not k.dying:
             return
-        serving = self.run if self.state in (S.READY, S.DEGRADED, S.REBUILDING) \
-            and not self.waking else None
+        serving = self.run if self.state in (S.READY, S.DEGRADED, S.REBUILDING) else None
         front = self.p.front.sample()
         k.note_quiet(now, front, serving=self.state is S.READY)
         self.carry_out(now, k.step(now, self.cfg, self.p.ports, serving, front))
@@ -462,58 +478,51 @@ class Supervisor:
         """The serving engine sleeps (or wakes) for a standby's build: no polls nor canaries
         (an engine asleep answers none); the keeper bounds each step."""
 
-    def begin_failover(self, now: float) -> None:
+    def begin_failover(self, now: float, f: Failover) -> None:
         """The failed group is gone (and, asleep standby, its GPU memory): wake the standby."""
-        assert self.failure is not None
-        run = self.keeper.promote(now, self.failure.cause.value, self.state_since)
+        run = self.keeper.promote(now, f)
         self.run = run
-        self.waking = True
-        self.log.info("failover_started", cause=self.failure.cause.value, pid=run.child.pid,
+        self.log.info("failover_started", cause=f.cause, pid=run.child.pid,
                       port=run.launch.engine.port, asleep=self.keeper.sleeps)
         self.state_reason = f"failover: waking the standby (pid {run.child.pid})"
         if not self.keeper.sleeps:  # awake: nothing to wake, its check is on the way
             self.emit(StandbyWoken(0.0))
 
     def on_failover_wake(self, now: float, res: HealthResult, started: float) -> None:
-        run = self.run
-        if not self.waking or run is None:
+        f, run = self.failover, self.run
+        if f is None or f.step is not Step.WAKE or run is None:
             return
-        if not res.ok:
-            self.failover_failed(now, f"the wake failed: {res.error}")
+        if why := f.on_wake(now, res):
+            self.failover_failed(now, f, why)
             return
-        self.keeper.woken(now)
         self.emit(StandbyWoken(now - started))
-        run.submit(now, "failover_check", check_job(run.probe, self.cfg.restart.wake_timeout))
+        run.submit(now, Job.FAILOVER_CHECK, check_job(run.probe, self.cfg.restart.wake_timeout))
 
     def on_failover_check(self, now: float, res: CompletionResult, started: float) -> None:
-        run = self.run
-        if not self.waking or run is None:
+        f, run = self.failover, self.run
+        if f is None or f.step is not Step.CHECK or run is None:
             return
-        if why := answered(res, self.keeper.promoted_answer):
-            self.failover_failed(now, f"its check: {why}")
+        if why := f.on_check(res):
+            self.failover_failed(now, f, why)
             return
-        self.waking = False
-        cur = self.keeper.current
-        self.keeper.failover_done(now, ok=True)
-        f = self.keeper.last_failover
-        self.log.info("failover_done", cause=f.cause if f else None, pid=run.child.pid,
+        self.failover = None
+        self.keeper.failover_done(now, f, ok=True)
+        self.log.info("failover_done", cause=f.cause, pid=run.child.pid,
                       port=run.launch.engine.port,
-                      seconds=round(f.seconds, 3) if f and f.seconds is not None else None,
-                      wake_seconds=f.as_json()["wake_seconds"] if f else None,
-                      kv_tokens=cur.kv_tokens if cur else None)
+                      seconds=round(f.seconds, 3) if f.seconds is not None else None,
+                      wake_seconds=f.as_json()["wake_seconds"], kv_tokens=f.kv_tokens)
         self.launch = run.launch
         self.become_ready(now, "failover: the standby serves")
 
-    def failover_failed(self, now: float, why: str) -> None:
+    def failover_failed(self, now: float, f: Failover, why: str) -> None:
         """A wake that failed, hung or answered wrong: the standby is stopped, then the normal
         restart (issue 21.5)."""
         run = self.run
         assert run is not None
         self.log.error("failover_failed", reason=why, pid=run.child.pid,
                        fallback="the normal restart")
-        self.waking = False
-        self.fell_back = True
-        self.keeper.failover_done(now, ok=False)
+        f.to(Step.FALL_BACK, now)
+        self.keeper.failover_done(now, f, ok=False)
         self.keeper.detail = f"last failover failed: {why}"
         self.old_pids += run.abort(now, self.cfg.stop.term_timeout, hung=True)
         run.kill_group(now, "the standby did not take over")
@@ -596,7 +605,7 @@ class Supervisor:
     step_loading = step_warming = step_starting
 
     def on_health(self, now: float, res: tuple[HealthResult, PortOwner | None],
-                  started: float = 0.0) -> None:
+                  started: float) -> None:
         # A 200 counts only from our own live vLLM (issue 8.2): an exited one is reap's.
         run = self.run
         if self.state != S.LOADING or run is None:
@@ -692,23 +701,22 @@ class Supervisor:
             return
 
     def step_restarting(self, now: float) -> None:
-        run = self.run
-        if self.waking:  # the standby is taking over: its wake and check are harvested
-            limit = 2 * self.cfg.restart.wake_timeout + 5
-            if now - self.keeper.since > limit:
-                self.failover_failed(now, f"no wake and check within {limit:g}s")
+        run, f = self.run, self.failover
+        if f is not None and f.waking:  # the standby is taking over: its answers are harvested
+            if why := f.overdue(now, self.cfg.restart.wake_timeout):
+                self.failover_failed(now, f, why)
             return
         if run is not None:
             if not run.reap_group(now):
                 return
-            if not run.last_lines_in(now) and not (self.takeover and not run.tail_decides(
-                    self.failure)):
+            if not run.last_lines_in(now) and not (f is not None and f.step is Step.KILL
+                                                   and not run.tail_decides(self.failure)):
                 # vLLM's last lines are still on their way (never blocking the loop); a
                 # takeover does not wait for lines that cannot change it (a hang we ended:
                 # on the H200 the wait took 2 s of the failover, up to OUTPUT_WAIT)
                 return
-            if self.fell_back:  # the standby that did not take over: now a normal restart
-                self.fell_back = False
+            if f is not None and f.step is Step.FALL_BACK:  # now a normal restart
+                self.failover = None
                 self.gone_at = now
                 self.run = None
                 self.restart_at = now
@@ -721,18 +729,18 @@ class Supervisor:
             self.run = None
             self.after_child_gone(now, tail)
             return
-        if self.failover_pending:
+        if f is not None and f.step is Step.GPU:
             # an asleep standby wakes into the memory the failed group held: once it is
             # released, or as soon as there is room for the standby anyway
             if not self.room_for_standby(now) and not self.gpu_released(now):
                 return
-            self.failover_pending = False
             if not self.keeper.ready:  # it failed while the GPU let go: the normal restart
+                self.failover = None
                 self.log.warning("failover_failed", reason="the standby was lost before its "
                                  "wake", fallback="the normal restart")
                 self.restart_at = now
                 return
-            self.begin_failover(now)
+            self.begin_failover(now, f)
             return
         if self.restart_at is not None and now >= self.restart_at:
             if not self.gpu_released(now):
@@ -761,15 +769,17 @@ class Supervisor:
             code = EX_GPU if v.cause == Cause.GPU_FATAL else EX_CONFIG
             self.give_up(now, code, f"{v.cause.value}: {v.detail}")
             return
-        takeover = self.takeover and self.keeper.takes_over(v, serving=True)
-        self.takeover = False
+        # the tail may have changed the verdict (an OOM is not taken over: the ladder's)
+        f = self.failover if self.keeper.takes_over(v, serving=True) else None
+        self.failover = None
         if v.cause == Cause.OOM:
             self.step_down(v, tail)
         if counted and (spent := self.crashes.spent(now, self.cfg.restart, v)) is not None:
             self.give_up(now, EX_TEMPFAIL, spent)
             return
-        if takeover:
-            self.failover_pending = True
+        if f is not None:
+            f.to(Step.GPU, now)
+            self.failover = f
             return
         if self.keeper.run is not None:  # a normal restart: the standby has the old settings
             self.old_pids += self.keeper.discard(now, f"a restart after {v.cause.value}",
@@ -877,7 +887,7 @@ class Supervisor:
         self.after_stable = self.served_stably(now)
         started = self.state not in states.SERVING_STATES
         serving = self.state in (S.READY, S.DEGRADED, S.REBUILDING)
-        self.takeover = self.keeper.takes_over(verdict, serving)
+        takeover = self.keeper.takes_over(verdict, serving)
         self.keeper.build = None  # a build ends with the engine it slept for
         if self.keeper.run is not None and not self.keeper.ready:
             self.old_pids += self.keeper.discard(now, "the serving engine failed during the "
@@ -888,6 +898,7 @@ class Supervisor:
         level("vllm_failed", cause=verdict.cause.value, detail=verdict.detail,
               pid=run.child.pid if run else None)
         self.transition(now, S.RESTARTING, f"{verdict.cause.value}: {verdict.detail}")
+        self.failover = Failover(verdict.cause.value, now, since=now) if takeover else None
         if run is None:
             self.after_child_gone(now, [])
             return
@@ -895,7 +906,7 @@ class Supervisor:
             self.log.warning("kv_budget_forgotten", reason="a start with the fixed KV budget "
                                                            "failed; the next one profiles again")
         self.old_pids += run.abort(now, self.cfg.stop.term_timeout, verdict.cause is Cause.HANG)
-        if self.takeover:  # a polite stop of a failed engine would only delay the standby
+        if takeover:  # a polite stop of a failed engine would only delay the standby
             run.kill_group(now, "failover: the standby takes over")
 
     def give_up(self, now: float, code: int, why: str) -> None:
@@ -947,4 +958,5 @@ class Supervisor:
             port=str(run.launch.engine if run else engine_endpoint(c)),
             port_holder=self.port.holder, warnings=run.warnings if run else 0,
             front=self.p.front.sample(),
-            standby=self.keeper.phase.value if self.keeper.on else "", waking=self.waking)
+            standby=self.keeper.phase.value if self.keeper.on else "",
+            waking=self.failover is not None and self.failover.waking)

@@ -103,7 +103,7 @@ def test_a_200_after_our_child_exited_is_not_health() -> None:
     h = Harness()
     h.step(dt=0.0)  # preflight -> starting
     h.children[-1].exit(1)  # died; a stranger may still answer on the port
-    h.sup.on_health(h.t, (HealthResult(True, 200, 0.001), None))
+    h.sup.on_health(h.t, (HealthResult(True, 200, 0.001), None), h.t)
     assert h.sup.state != State.WARMING and h.warmups == 0
 
 
@@ -125,7 +125,7 @@ def test_the_loading_check_finds_the_owner_in_the_job_not_in_the_loop() -> None:
     h.step(dt=0.0)
     h.sup.state = State.LOADING
     before = h.ports.owner_calls
-    h.sup.on_health(h.t, (HealthResult(True, 200, 0.001), PortOwner(True)))
+    h.sup.on_health(h.t, (HealthResult(True, 200, 0.001), PortOwner(True)), h.t)
     assert h.ports.owner_calls == before and h.sup.state in (State.WARMING, State.READY)
 
 

@@ -19,6 +19,7 @@ from tests.support.fakes import CheckedGpu
 from qwen4090 import cli, gpu, httpapi, logs
 from qwen4090.config import ConfigError, from_dict
 from qwen4090.contracts import NoFront
+from qwen4090.launch import configured
 from qwen4090.policy import Cause
 from qwen4090.states import State
 
@@ -162,7 +163,6 @@ def test_a_reload_after_a_runtime_upgrade_restarts_vllm_on_it() -> None:
     h = Harness()
     version = ["vllm 0.26.0"]
     h.sup.p.gpu = Runtime(version)
-    h.sup.p.runtime_of = lambda cfg: version[0]
     h.run_until(State.READY)
     hup(h, cfg_with())
     assert h.sup.state == State.READY  # nothing changed
@@ -173,6 +173,40 @@ def test_a_reload_after_a_runtime_upgrade_restarts_vllm_on_it() -> None:
     h.run_until(State.READY)
     assert h.sup.launch.runtime == "vllm 0.27.0"
     assert h.sup.crashes.budget.count(h.clock.t) == 0  # not a failure
+
+
+class Capped(CheckedGpu):
+    """Launches capped at max_num_seqs 4, as a learned OOM limit caps them (learned.py)."""
+
+    def launch(self, cfg: Any, beside: Any = None) -> Any:
+        v = dataclasses.replace(cfg.vllm, max_num_seqs=min(cfg.vllm.max_num_seqs, 4))
+        return configured(dataclasses.replace(cfg, vllm=v), beside)
+
+
+def test_a_reload_restarts_vllm_iff_its_next_launch_differs() -> None:
+    """Issue 29.5: one rule, the launch's argv and environment compared on the same facts; not
+    "[vllm] changed" (a change that the learned cap hides launches the same vLLM)."""
+    h = Harness()
+    h.sup.p.gpu = Capped()
+    h.run_until(State.READY)
+    hup(h, cfg_with(vllm={"max_num_seqs": 6}))  # capped at 4 either way
+    assert h.sup.state == State.READY and h.sup.cfg.vllm.max_num_seqs == 6
+    assert not h.log.named("restart_for_reload")
+    hup(h, cfg_with(vllm={"max_num_seqs": 2}))
+    assert h.sup.state == State.RESTARTING and h.failure.cause is Cause.RELOAD
+    assert h.failure.detail == "vLLM's launch changed: --max-num-seqs 4 -> 2"
+    h.run_until(State.READY)
+    hup(h, cfg_with(vllm={"max_num_seqs": 2, "env": {"OMP_NUM_THREADS": "1"}}))
+    assert h.sup.state == State.RESTARTING and h.failure.detail.endswith(": vllm.env")
+
+
+def test_the_sleep_flag_is_a_launch_change_like_any_other() -> None:
+    """restart.standby = "sleep" renders --enable-sleep-mode: no rule of its own."""
+    h = Harness({"front": {"enabled": True}})
+    h.run_until(State.READY)
+    hup(h, cfg_with(restart={"standby": "sleep"}, front={"enabled": True}))
+    assert h.sup.state == State.RESTARTING
+    assert "--enable-sleep-mode (none) -> on" in h.failure.detail
 
 
 def test_a_reload_that_moves_the_client_port_is_refused_behind_the_front() -> None:

@@ -13,8 +13,8 @@ from tests.support.fakes import FakeChild, FakeFront, FakeProbe
 
 from qwen4090.events import EngineMoved, Event, StandbyWoken, Transition
 from qwen4090.launch import Launch
-from qwen4090.results import PortOwner
-from qwen4090.standby import SLEEP_TIMEOUT, Phase
+from qwen4090.results import CompletionResult, HealthResult, PortOwner
+from qwen4090.standby import SLEEP_TIMEOUT, Failover, Phase, Step
 from qwen4090.states import State
 
 S = State
@@ -369,7 +369,7 @@ def test_a_standby_lost_while_the_gpu_lets_go_means_the_normal_restart() -> None
     h.standby_ready()
     h.children[0].exit(1)
     h.step(0.25, 4)
-    assert h.sup.failover_pending
+    assert h.sup.failover is not None and h.sup.failover.step is Step.GPU
     h.children[1].exit(1)  # the standby dies meanwhile
     h.step(0.25, 2)
     gpu.releasing = False
@@ -422,3 +422,30 @@ def test_the_loops_wakeup_covers_the_standbys_deadlines() -> None:
     assert h.sup.next_wakeup(now) == pytest.approx(0.001)
     k.since = now - limit - 5.0  # a passed bound is acted on by the step, never spun on
     assert h.sup.next_wakeup(now) == pytest.approx(without)
+
+
+def test_the_takeover_is_one_typed_machine() -> None:
+    """Issue 29.3: the failover's sub-states of RESTARTING are one Step with its allowed moves
+    (they were four booleans set and reset in six places)."""
+    f = Failover("crash", 10.0, since=10.0)
+    with pytest.raises(ValueError, match="kill -> wake"):
+        f.to(Step.WAKE, 11.0)  # the failed group must be gone first
+    f.to(Step.GPU, 11.0)
+    f.to(Step.WAKE, 11.5)
+    f.promoted = 11.5
+    assert f.waking and f.overdue(11.5 + 2 * 5.0 + 4, 5.0) == ""
+    assert f.overdue(11.5 + 2 * 5.0 + 6, 5.0) == "no wake and check within 15s"
+    failed = HealthResult(False, None, 5.0, "timed out")
+    assert f.on_wake(12.0, failed) == "the wake failed: timed out"
+    assert f.step is Step.WAKE  # a failed wake leaves the step to the caller's fall-back
+    assert f.on_wake(12.0, HealthResult(True, 200, 0.1)) == "" and f.step is Step.CHECK
+    f.answer = "known"
+    other = CompletionResult(True, 0.1, 0.2, 8, text="other")
+    assert f.on_check(other).startswith("its check: a different")
+    assert f.on_check(CompletionResult(True, 0.1, 0.2, 8, text="known")) == ""
+    f.ended(13.0, ok=True)
+    assert f.as_json() == {"cause": "crash", "ok": True, "seconds": 3.0, "wake_seconds": 2.0,
+                           "kv_tokens": None}
+    f.to(Step.FALL_BACK, 13.0)
+    with pytest.raises(ValueError):
+        f.to(Step.GPU, 14.0)

@@ -33,7 +33,7 @@ from qwen4090.probes.http import (
     MetricsResult,
 )
 from qwen4090.results import PreflightResult, WarmupResult, WarmupRow
-from qwen4090.run import Run
+from qwen4090.run import Job, Run
 from qwen4090.states import State
 from qwen4090.supervisor import Supervisor
 
@@ -699,8 +699,8 @@ def test_stale_probe_results_are_dropped() -> None:
     old = h.run
     f: Future[Any] = Future()
     f.set_running_or_notify_cancel()  # a job already running: cancelling it does nothing
-    old.submit(h.clock.t, "poll", lambda: None)
-    old.tasks["poll"].future = f
+    old.submit(h.clock.t, Job.POLL, lambda: None)
+    old.tasks[Job.POLL].future = f
     h.child.exit(1)  # the next vLLM process: a result about the older one must not count
     h.run_until(State.RESTARTING)
     h.run_until(State.READY)
@@ -1004,7 +1004,7 @@ def test_the_warming_limit_does_not_fail_a_warmup_within_its_own_bound() -> None
     # the warmup's job stays in flight: a warmup that has not returned yet
     h.executor.hold = lambda fn: "begin_warmup" in getattr(fn, "__qualname__", "")
     h.run_until(State.WARMING)
-    assert "warmup" in h.run.tasks
+    assert Job.WARMUP in h.run.tasks
     limit = warmup_mod.bound(h.cfg)
     assert limit > 30.0 + 10.0  # request_timeout + its slack: the warmup's last step
     h.step(30.0 + 10.0 + warmup_mod.JOIN_GRACE)  # past the old limit, within the bound
