@@ -240,7 +240,7 @@ def serve_with(args: argparse.Namespace, cfg: Config, log: LogLike, inst: instan
         front=door,
     )
     sup = Supervisor(cfg, parts, signals=pending)
-    parts.listeners += [watch, door.listener()]
+    parts.listeners += [watch]
     gpu.start_watch(cfg, gpu_fault, sup.report_gpu_sample)  # samples: /status, /metrics
     sources: list[httpapi.StatusSource] = [watch, pre, door]
     api = start_status(sup, log, sources=sources)  # /status, /metrics, /livez, /readyz

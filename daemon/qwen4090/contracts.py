@@ -33,6 +33,7 @@ from qwen4090.results import (
     ProbeLike,
     WarmupResult,
 )
+from qwen4090.steering import FrontCommand
 
 
 @dataclass(frozen=True)
@@ -157,12 +158,13 @@ class NoGpu:
 
 class FrontLike(Protocol):
     """The client port (front.Front): its counts, for the drain and the hang detector; and what
-    the composition root does with it (steer it by the supervisor's events, show it on the
-    status endpoint, reconfigure it at a reload, stop it), so the root needs no isinstance."""
+    the supervisor and the composition root do with it (the supervisor's typed commands, show
+    it on the status endpoint, reconfigure it at a reload, stop it), so the root needs no
+    isinstance."""
 
     def sample(self) -> FrontSample | None: ...
-    # the supervisor listener that opens and closes it (front.steer)
-    def listener(self) -> Listener: ...
+    # which engine serves, and whether requests wait, drain or are refused (steering.py)
+    def command(self, cmd: FrontCommand) -> None: ...
     @property
     def api_key(self) -> str | None: ...
     # a reload's limits and key; applied on the front's own thread
@@ -180,8 +182,8 @@ class NoFront:
     def sample(self) -> FrontSample | None:
         return None
 
-    def listener(self) -> Listener:
-        return lambda event: None
+    def command(self, cmd: FrontCommand) -> None:
+        pass
 
     @property
     def api_key(self) -> str | None:

@@ -77,15 +77,6 @@ class Reloaded:
 
 
 @dataclass(frozen=True)
-class EngineMoved:
-    """The serving engine listens at another address from now on (the standby took over, or
-    the next start is on the other port): the front sends requests there."""
-
-    host: str
-    port: int
-
-
-@dataclass(frozen=True)
 class StandbyWoken:
     """A failover woke the standby (the recovery timeline's ``woken`` mark)."""
 
@@ -93,5 +84,5 @@ class StandbyWoken:
 
 
 Event = (Transition | ChildExitSeen | Restarted | WarmedUp | HangSeen | SteppedDown | GpuSampled
-         | Reloaded | EngineMoved | StandbyWoken)
+         | Reloaded | StandbyWoken)
 Listener = Callable[[Event], None]

@@ -24,9 +24,10 @@ proxy is what a restart of vLLM needs:
 
 The data path is aiohttp (a well-kept HTTP library; Debian: python3-aiohttp) on one event loop
 in its own thread, so the supervisor's loop never delays a byte and a slow client never delays
-the supervisor.  The supervisor steers it from its own thread (:meth:`Front.engine_up`,
-``engine_down``, ``drain``, ``refuse``); everything it reads (:meth:`Front.sample`) is a copy
-taken under a lock.  Why aiohttp and not HAProxy: docs/architecture.md ("The front").
+the supervisor.  The supervisor steers it from its own thread with typed commands naming the
+engine (:meth:`Front.command`: steering.Serve, Hold, Drain, Refuse); everything it reads
+(:meth:`Front.sample`) is a copy taken under a lock.  Why aiohttp and not HAProxy:
+docs/architecture.md ("The front").
 
 ``python -m qwen4090.front --listen HOST:PORT --engine HOST:PORT`` runs the front alone, with the
 engine always up (the cost benchmark, bench/front_cost.py).
@@ -52,10 +53,9 @@ from aiohttp import web
 from yarl import URL
 
 from qwen4090 import clientpath
-from qwen4090.events import EngineMoved, Event, Listener, Transition
 from qwen4090.frontlimits import RETRY_AFTER, SWEEP_EVERY, Doors, HttpLog, Limits, Shedding
 from qwen4090.results import FrontSample
-from qwen4090.states import SERVING_STATES, State
+from qwen4090.steering import Drain, FrontCommand, Hold, Refuse, Serve
 
 # Headers that belong to one connection, not to the request or answer (RFC 9110 7.6.1), and
 # those aiohttp sets itself.
@@ -287,38 +287,29 @@ class Front:
 
     # --- steering (from the supervisor's thread) ---------------------------------------------
 
-    def engine_up(self, generation: object) -> None:
-        """An engine serves (READY; ``generation`` names it, e.g. its pid): held requests go
-        to it."""
-        self._call(self._set_up, generation)
+    def command(self, cmd: FrontCommand) -> None:
+        """What the supervisor tells it (steering.py), carried out on the front's own loop, in
+        the order sent: Serve (requests go to that engine, held ones are released), Hold
+        (requests wait; one that failed on the engine is replayed on the next), Drain (the
+        listener closes; a request on an open connection gets a 503), Refuse (no engine will
+        come: held requests get their 503 now)."""
+        self._call(self._carry_out, cmd)
 
-    def point(self, engine: tuple[str, int]) -> None:
-        """The next engine listens at ``engine`` (a failover to the standby): requests sent
-        from now on go there."""
-        self._call(self._set_engine, engine)
-
-    def engine_down(self, reason: str) -> None:
-        """The engine stops serving (a restart began): requests wait from now on, and one that
-        failed on it is replayed on the next."""
-        self._call(self._set_down, reason)
-
-    def drain(self) -> None:
-        """Stop taking new requests (the listener closes; a request on an open connection gets
-        a 503); those in flight go on."""
-        self._call(self._set_draining)
-
-    def refuse(self, reason: str) -> None:
-        """The daemon gave up: no engine will come, held requests get their 503 now."""
-        self._call(self._set_refusing, reason)
+    async def _carry_out(self, cmd: FrontCommand) -> None:
+        if isinstance(cmd, Serve):
+            await self._set_engine((cmd.host, cmd.port))
+            await self._set_up(cmd.engine)
+        elif isinstance(cmd, Hold):
+            await self._set_down(cmd.reason)
+        elif isinstance(cmd, Drain):
+            await self._set_draining()
+        elif isinstance(cmd, Refuse):
+            await self._set_refusing(cmd.reason)
 
     @property
     def api_key(self) -> str | None:
         """The key the front checks now (None: none)."""
         return self._key
-
-    def listener(self) -> Listener:
-        """The supervisor listener that steers this front (:func:`steer`)."""
-        return steer(self)
 
     def configure(self, limits: Limits, key: str | None) -> None:
         """New limits and API key (a reload): they apply at once, to the requests already
@@ -834,29 +825,6 @@ class _Collector:
         yield HistogramMetricFamily("qwen4090_front_queue_seconds",
                                     "time held requests waited for an engine",
                                     buckets=buckets, sum_value=t.queue_seconds)
-
-
-def steer(front: Front) -> Listener:
-    """A supervisor listener that opens and closes the front on the supervisor's transitions:
-    into READY (from a state that did not serve) a new engine serves; into RESTARTING the
-    engine stops serving (requests wait; one that fails on it is replayed on the next; so too
-    into REBUILDING, while the serving engine sleeps for a new standby's start); into
-    STOPPING the front drains; into FAILED no engine will come (503 at once)."""
-    def on_event(event: Event) -> None:
-        if isinstance(event, EngineMoved):
-            front.point((event.host, event.port))
-            return
-        if not isinstance(event, Transition):
-            return
-        if event.dst in SERVING_STATES and event.src not in SERVING_STATES:
-            front.engine_up(object())
-        elif event.dst in (State.RESTARTING, State.REBUILDING):
-            front.engine_down(event.reason)
-        elif event.dst is State.STOPPING:
-            front.drain()
-        elif event.dst is State.FAILED:
-            front.refuse(event.reason)
-    return on_event
 
 
 def _stream_error(what: str) -> bytes:

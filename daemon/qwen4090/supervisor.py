@@ -26,7 +26,6 @@ from qwen4090.config import Config, ConfigError, changed_sections, refused_keys,
 from qwen4090.contracts import ChildLike, Parts, Published
 from qwen4090.events import (
     ChildExitSeen,
-    EngineMoved,
     Event,
     GpuSampled,
     Reloaded,
@@ -60,6 +59,7 @@ from qwen4090.results import (
 from qwen4090.run import Fail, Job, Move, Run, Task, Verdict
 from qwen4090.standby import Ask, Failover, Keeper, Step, check_job
 from qwen4090.states import State
+from qwen4090.steering import Drain, Hold, Refuse, Serve
 
 S = State
 
@@ -248,6 +248,7 @@ class Supervisor:
         serving = self.state in states.SERVING_STATES
         self.notify_stopping(f"stopping: {why}")
         self.transition(now, S.STOPPING, why)
+        self.p.front.command(Drain())
         self.failover = None
         self.keeper.discard(now, f"stopping: {why}", self.cfg.stop.term_timeout)
         if run is None:
@@ -446,10 +447,13 @@ class Supervisor:
     def carry_out(self, now: float, asks: list[Ask]) -> None:
         for ask in asks:
             if ask.what == "hold" and self.state is S.READY:
+                assert self.run is not None
                 self.transition(now, S.REBUILDING, ask.reason)
+                self.p.front.command(Hold(ask.reason, self.run.child.pid))  # it sleeps
             elif ask.what == "resume" and self.state is S.REBUILDING:
                 assert self.run is not None
                 self.run.became_ready(now)  # the watch starts over: it slept
+                self.serve(self.run)
                 self.transition(now, S.READY, ask.reason)
             elif ask.what == "fail" and ask.verdict is not None:
                 self.fail(now, ask.verdict)
@@ -633,8 +637,7 @@ class Supervisor:
     def become_ready(self, now: float, why: str) -> None:
         run = self.run
         assert run is not None
-        if self.cfg.front.enabled:  # before READY: the front opens on this engine's address
-            self.emit(EngineMoved(run.launch.engine.host, run.launch.engine.port))
+        self.serve(run)  # before READY: the front opens on this engine's address
         self.transition(now, S.READY, why)
         self.ready_since = now
         run.became_ready(now)
@@ -651,6 +654,13 @@ class Supervisor:
             # ("warming: ...") until we send the new one.
             self.p.notifier.status(status)
         self.last_status = status
+
+    def serve(self, run: Run) -> None:
+        """The serving row changes here and where the front is told to hold, drain or refuse:
+        the front gets typed commands naming the engine (steering.py), never a guess from the
+        states (issue 29.4)."""
+        e = run.launch.engine
+        self.p.front.command(Serve(e.host, e.port, run.child.pid))
 
     def served_stably(self, now: float) -> bool:
         """This run has been serving for restart.stable_after."""
@@ -897,6 +907,8 @@ class Supervisor:
         level("vllm_failed", cause=verdict.cause.value, detail=verdict.detail,
               pid=run.child.pid if run else None)
         self.transition(now, S.RESTARTING, f"{verdict.cause.value}: {verdict.detail}")
+        self.p.front.command(Hold(f"{verdict.cause.value}: {verdict.detail}",
+                                  run.child.pid if run else None))
         self.failover = Failover(verdict.cause.value, now, since=now) if takeover else None
         if run is None:
             self.after_child_gone(now, [])
@@ -914,6 +926,7 @@ class Supervisor:
         self.exit_code = code
         self.log.critical("giving_up", exit_code=code, reason=why)
         self.transition(now, S.FAILED, why)
+        self.p.front.command(Refuse(why))
 
     # --- telling ----------------------------------------------------------------------------
 

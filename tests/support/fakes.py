@@ -18,6 +18,7 @@ from qwen4090.probes.http import (
     MetricsResult,
 )
 from qwen4090.results import FrontSample, PreflightResult
+from qwen4090.steering import FrontCommand
 
 
 class Clock:
@@ -118,6 +119,10 @@ class FakeFront:
         self.bytes = 0
         self.last_byte_at: float | None = None  # when the last of those bytes came in
         self.draining = True  # front.drain() took effect (it does so on the front's own loop)
+        self.commands: list[FrontCommand] = []  # what the supervisor told it, in order
+
+    def command(self, cmd: FrontCommand) -> None:
+        self.commands.append(cmd)
 
     def sample(self) -> FrontSample:
         return FrontSample(self.in_flight, self.holding, self.unanswered, 0.0, self.bytes,

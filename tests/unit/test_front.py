@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import socket
 import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from test_supervisor import Harness
 from tests.support.fakes import Log
 from tests.support.upstream import (
     Later,
     Upstream,
+    free_port,
     make_front,
     request,
     upstream,
@@ -22,10 +25,10 @@ from tests.support.upstream import (
 )
 
 from qwen4090 import front as front_mod
-from qwen4090.events import Transition
-from qwen4090.front import Front, steer
+from qwen4090.front import Front
 from qwen4090.frontlimits import Limits
 from qwen4090.states import State
+from qwen4090.steering import Drain, Hold, Refuse, Serve
 
 __all__ = ["upstream"]  # the fixture, imported for pytest
 
@@ -56,7 +59,7 @@ def test_a_request_waits_for_the_engine_and_is_answered_when_it_serves(upstream:
         assert wait_until(lambda: f.sample().holding == 1)
         time.sleep(0.3)
         assert later.result is None and upstream.seen == []  # held, not refused
-        f.engine_up("engine-1")
+        f.command(Serve(*f.engine, 1))
         status, _, _ = later.get()
         assert status == 200 and f.totals.held == 1 and f.totals.queue_seconds >= 0.3
         assert f.sample().holding == 0
@@ -87,12 +90,12 @@ def test_a_request_whose_engine_died_before_answering_is_replayed_on_the_next(
         assert wait_until(lambda: len(upstream.seen) == 2)
         # the verdict comes within the grace: the request waits for the NEXT engine, not the
         # one that failed it
-        f.engine_down("crash")
+        f.command(Hold("crash"))
         assert wait_until(lambda: f.sample().holding == 1)
         upstream.mode = "ok"
         time.sleep(0.1)
         assert len(upstream.seen) == 2
-        f.engine_up("engine-2")
+        f.command(Serve(*f.engine, 2))
         status, _, body = later.get()
         assert status == 200 and json.loads(body)["n"] == 3
         assert len(upstream.seen) == 3 and f.totals.retried == 1
@@ -167,12 +170,12 @@ def test_replayed_only_once(upstream: Upstream) -> None:
         upstream.mode = "die"
         later = Later(f.listen[1])
         assert wait_until(lambda: len(upstream.seen) == 2)
-        f.engine_down("crash")
+        f.command(Hold("crash"))
         assert wait_until(lambda: f.sample().holding == 1)
-        f.engine_up("engine-2")
+        f.command(Serve(*f.engine, 2))
         # the replay, and its retry on a new connection; then that engine is declared dead too
         assert wait_until(lambda: len(upstream.seen) == 4)
-        f.engine_down("crash again")
+        f.command(Hold("crash again"))
         status, _, body = later.get()
         assert status == 502 and json.loads(body)["error"]["type"] == "engine_failed"
         assert len(upstream.seen) == 4 and f.totals.retried == 2
@@ -192,8 +195,8 @@ def test_a_5xx_of_an_engine_declared_dead_is_replayed_any_other_passes(
         later = Later(f.listen[1])
         assert wait_until(lambda: len(upstream.seen) == 2)
         upstream.mode = "ok"
-        f.engine_down("engine died")
-        f.engine_up("engine-2")
+        f.command(Hold("engine died"))
+        f.command(Serve(*f.engine, 2))
         status, _, _ = later.get()
         assert status == 200 and f.totals.replayed == 1
     finally:
@@ -236,7 +239,7 @@ def test_drain_lets_requests_in_flight_finish_and_takes_no_new_ones(upstream: Up
         upstream.mode = "slow"
         later = Later(f.listen[1], stream=True)
         assert wait_until(lambda: f.sample().in_flight == 1 and f.sample().bytes_from_engine)
-        f.drain()
+        f.command(Drain())
         assert wait_until(lambda: f.sample().draining)
         with pytest.raises(ConnectionRefusedError):
             wait_until(lambda: False, 0.2)
@@ -254,7 +257,7 @@ def test_refuse_answers_held_requests_at_once(upstream: Upstream) -> None:
         later = Later(f.listen[1])
         assert wait_until(lambda: f.sample().holding == 1)
         t0 = time.monotonic()
-        f.refuse("crash loop")
+        f.command(Refuse("crash loop"))
         status, _, body = later.get(5)
         assert status == 503 and "gave up: crash loop" in json.loads(body)["error"]["message"]
         assert time.monotonic() - t0 < 5 and upstream.seen == []
@@ -275,21 +278,24 @@ def test_unanswered_requests_are_counted_for_the_hang_detector(upstream: Upstrea
         f.stop()
 
 
-def test_steered_by_the_supervisors_transitions(upstream: Upstream) -> None:
+def test_steered_by_typed_commands_that_name_the_engine(upstream: Upstream) -> None:
+    """Issue 29.4: the supervisor tells the front which engine serves (no guess from its
+    states): Serve opens it on that engine, the same engine again is no news (no new
+    generation), Hold closes it, Drain stops taking requests."""
     f = make_front(upstream, up=False, hold=30.0)
     try:
-        listen = steer(f)
         later = Later(f.listen[1])
         assert wait_until(lambda: f.sample().holding == 1)
-        listen(Transition(State.WARMING, State.READY, "warmed up"))
+        f.command(Serve(*f.engine, 101))
         assert later.get()[0] == 200
-        listen(Transition(State.READY, State.RESTARTING, "hang"))
+        gen = f._gen
+        f.command(Serve(*f.engine, 101))  # serving again (after DEGRADED): the same engine
+        assert request(f.listen[1])[0] == 200 and f._gen == gen
+        f.command(Hold("hang", 101))
         assert wait_until(lambda: not f.sample().open)
-        listen(Transition(State.RESTARTING, State.PREFLIGHT, "restart 1"))
-        assert not f.sample().open
-        listen(Transition(State.WARMING, State.READY, "warmed up"))
-        assert wait_until(lambda: f.sample().open)
-        listen(Transition(State.READY, State.STOPPING, "SIGTERM"))
+        f.command(Serve(*f.engine, 102))  # the next engine: a new generation
+        assert wait_until(lambda: f.sample().open) and f._gen == gen + 1
+        f.command(Drain())
         assert wait_until(lambda: f.sample().draining)
     finally:
         f.stop()
@@ -355,11 +361,10 @@ def test_pointed_at_the_standby_the_next_engine_gets_the_requests(upstream: Upst
         assert request(f.listen[1])[0] == 200 and len(upstream.seen) == 1
         seen = f.sample().last_byte_at  # the hang detector dates a stall from it
         assert seen is not None and seen >= before
-        f.engine_down("engine_dead")
+        f.command(Hold("engine_dead"))
         later = Later(f.listen[1])
         assert wait_until(lambda: f.sample().holding == 1)
-        f.point(("127.0.0.1", other.port))
-        f.engine_up("the standby")
+        f.command(Serve("127.0.0.1", other.port, 2))  # the standby, named by its pid
         assert later.get()[0] == 200
         assert len(upstream.seen) == 1 and len(other.seen) == 1  # held, then to the standby
         assert "front_engine_moved" in f.log.names()
@@ -382,5 +387,30 @@ def test_vllm_development_endpoints_are_not_served_to_clients(upstream: Upstream
             conn.close()
         assert upstream.seen == []
         assert request(f.listen[1])[0] == 200  # the API itself passes
+    finally:
+        f.stop()
+
+
+def test_the_supervisor_steers_a_real_front_by_its_commands(upstream: Upstream) -> None:
+    """The joint (issue 29.4): the state machine's commands reach a real front.  Its engine
+    address starts wrong on purpose: only the supervisor's Serve points it at the engine."""
+    f = Front(("127.0.0.1", free_port()), ("127.0.0.1", 9), Limits(hold_timeout=30.0), Log())
+    f.start()
+    try:
+        h = Harness({"front": {"enabled": True, "engine_port": upstream.port}}, front=f)
+        later = Later(f.listen[1])
+        assert wait_until(lambda: f.sample().holding == 1)
+        h.run_until(State.READY)
+        assert later.get()[0] == 200 and f.engine == ("127.0.0.1", upstream.port)
+        h.child.exit(1)  # a crash: the front holds from the supervisor's Hold
+        h.step()
+        assert h.sup.state is State.RESTARTING and wait_until(lambda: not f.sample().open)
+        held = Later(f.listen[1])
+        assert wait_until(lambda: f.sample().holding == 1)
+        h.run_until(State.READY)  # the next engine (a new pid): served, the held one answered
+        assert held.get()[0] == 200
+        h.sup.deliver(signal.SIGTERM)
+        h.step()
+        assert wait_until(lambda: f.sample().draining)
     finally:
         f.stop()

@@ -22,6 +22,7 @@ from qwen4090.config import FrontConfig
 from qwen4090.fdlimit import FD_RESERVE
 from qwen4090.front import Front
 from qwen4090.frontlimits import LINGER_MAX, LINGER_MIN, Limits, LineQuota, limits_of
+from qwen4090.steering import Serve
 
 __all__ = ["upstream"]  # the fixture, imported for pytest
 
@@ -145,7 +146,7 @@ def test_past_max_held_a_503_at_once(upstream: Upstream) -> None:
         assert status == 503 and headers["retry-after"] == "5"
         assert "front.max_held" in json.loads(body)["error"]["message"]
         assert time.monotonic() - t0 < 5
-        f.engine_up("engine-1")
+        f.command(Serve(*f.engine, 1))
         assert [h.get()[0] for h in held] == [200, 200]
         assert 'qwen4090_front_shed_total{limit="max_held"} 1.0' in metrics(f)
     finally:
@@ -167,7 +168,7 @@ def test_request_bodies_in_memory_are_bounded_in_all_and_each(upstream: Upstream
         status, _, body = call(f.listen[1], "POST", "/v1/completions", b"x" * 2500)
         assert status == 413 and "front.max_body_mib" in body.decode()
         assert f.status()["front"]["body_bytes"] > 1500
-        f.engine_up("engine-1")
+        f.command(Serve(*f.engine, 1))
         assert first.get()[0] == 200 and conn.getresponse().status == 200
         conn.close()
         assert wait_until(lambda: f.status()["front"]["body_bytes"] == 0)

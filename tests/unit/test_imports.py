@@ -29,7 +29,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # about them, the log, and small pieces of the machine (child.py strips notify's variables)
     "base": ("states", "events", "vllmfacts", "logs", "redact", "atomicfile", "oomscore",
              "notify", "preimport_main",  # preimport_main runs in vLLM's interpreter
-             "fdlimit"),  # the file limit, and "no file descriptor left" is no verdict
+             "fdlimit",  # the file limit, and "no file descriptor left" is no verdict
+             "steering"),  # what the supervisor tells the front
     # every default and its validation; the keys whose default follows other keys
     "config": ("config", "derived"),
     # what the parts answer (probes, preflight, warmup, the port walk, the front): values only

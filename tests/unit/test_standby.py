@@ -11,11 +11,12 @@ import pytest
 from test_supervisor import Harness
 from tests.support.fakes import FakeChild, FakeFront, FakeProbe
 
-from qwen4090.events import EngineMoved, Event, StandbyWoken, Transition
+from qwen4090.events import Event, StandbyWoken, Transition
 from qwen4090.launch import Launch
 from qwen4090.results import CompletionResult, HealthResult, PortOwner
 from qwen4090.standby import SLEEP_TIMEOUT, Failover, Phase, Step
 from qwen4090.states import State
+from qwen4090.steering import Serve
 
 S = State
 ENGINE = 18000  # front.engine_port: the serving engine's first port; the standby's is + 1
@@ -63,13 +64,13 @@ class StandbyHarness(Harness):
         self.until(lambda: self.sup.keeper.ready and self.sup.state is S.READY)
 
     def moved(self) -> list[int]:
-        """The ports the front was moved to: each READY names its engine (EngineMoved); a
+        """The ports the front was moved to: each READY names its engine (steering.Serve); a
         move is one that names another than the last (the first engine is on ENGINE)."""
         out, last = [], ENGINE
-        for e in self.events:
-            if isinstance(e, EngineMoved) and e.port != last:
-                out.append(e.port)
-                last = e.port
+        for c in self.front.commands:
+            if isinstance(c, Serve) and c.port != last:
+                out.append(c.port)
+                last = c.port
         return out
 
     def spawned_ports(self) -> list[int]:
