@@ -67,6 +67,7 @@ HOP_BY_HOP = frozenset({
 # when the supervisor declares that engine dead within this long, else passed on as they are.
 REPLAY_GRACE = 3.0
 HELD_FULL = -2  # _wait_for_engine: front.max_held requests wait already
+ROUTES_KEPT = 8  # generations whose engine a late request may still be routed to
 # aiohttp's parser (3.9+; 3.8, Debian 12's, does not enforce it): a request head of at most
 # this many fields; vLLM's clients send about ten.  The head's size: frontlimits.MAX_HEAD.
 MAX_HEADERS = 100
@@ -164,6 +165,11 @@ class Front:
         self._open = engine_up
         self._gen = 1 if engine_up else 0  # counts the engines that served (0: none yet)
         self._engine_id: object = None  # the supervisor's name for the serving engine
+        # each generation's engine, by which requests are routed and replayed (a request that
+        # got an engine is sent to that one even if the next was named meanwhile)
+        self._routes: dict[int, tuple[tuple[str, int], object]] = \
+            {1: (engine, None)} if engine_up else {}
+        self._on_engine: dict[object, int] = {}  # engine -> requests sent to it, not done
         self._dead_gen = 0  # the last engine declared dead
         self._refusing: str | None = None  # why requests get 503 at once (given up)
         self._draining = False
@@ -323,7 +329,8 @@ class Front:
             return FrontSample(self._in_flight, self._holding, len(self._unanswered),
                                max(0.0, oldest), self._bytes, self._open, self._draining,
                                self._last_byte, len(self._doors.open),
-                               self.shedding.sample())
+                               self.shedding.sample(),
+                               tuple(sorted((str(k), n) for k, n in self._on_engine.items())))
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> None:
         loop = self._loop
@@ -339,6 +346,9 @@ class Front:
         if self._open and generation == self._engine_id:
             return  # DEGRADED -> READY: the same engine
         self._open, self._gen, self._engine_id = True, self._gen + 1, generation
+        self._routes[self._gen] = (self.engine, generation)
+        for old in [g for g in self._routes if g < self._gen - ROUTES_KEPT]:
+            del self._routes[old]
         burst, self._burst = self._burst, None
         with self._lock:  # those still held are released now; the first came first
             first = min(self._held.values(), default=None)
@@ -590,11 +600,27 @@ class Front:
 
     async def _send(self, request: web.Request, rid: int, gen: int, body: bytes, target: str,
                     fresh: bool = False) -> web.StreamResponse:
+        """To the engine of generation ``gen``, counted as that engine's until answered."""
+        addr, engine = self._routes.get(gen, (self.engine, self._engine_id))
+        with self._lock:
+            self._on_engine[engine] = self._on_engine.get(engine, 0) + 1
+        try:
+            return await self._send_to(addr, request, rid, gen, body, target, fresh)
+        finally:
+            with self._lock:
+                left = self._on_engine[engine] - 1
+                if left:
+                    self._on_engine[engine] = left
+                else:
+                    del self._on_engine[engine]
+
+    async def _send_to(self, addr: tuple[str, int], request: web.Request, rid: int, gen: int,
+                       body: bytes, target: str, fresh: bool) -> web.StreamResponse:
         session = self._fresh if fresh else self._session
         assert session is not None
         # exactly the target decided on (clientpath): encoded=True, so yarl neither
         # re-quotes nor removes dot segments on the way
-        url = URL(f"http://{_host_port(*self.engine)}{target}", encoded=True)
+        url = URL(f"http://{_host_port(*addr)}{target}", encoded=True)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         with self._lock:
             self._unanswered[rid] = self.clock()
@@ -727,6 +753,7 @@ class Front:
                 "listen": _host_port(*self.listen), "engine": _host_port(*self.engine),
                 "open": s.open, "draining": s.draining, "in_flight": s.in_flight,
                 "holding": s.holding, "unanswered": s.unanswered,
+                "by_engine": dict(s.by_engine),
                 "oldest_unanswered_seconds": round(s.oldest_unanswered, 2),
                 "requests": t.requests, "held": t.held, "replayed": t.replayed,
                 "retried": t.retried,

@@ -149,6 +149,9 @@ class FrontSample:
     last_byte_at: float | None = None  # when (the front's clock) the last of those came in
     connections: int = 0  # client connections open
     shedding: str = ""  # while a limit refuses clients: what and how many (STATUS)
+    # requests sent to each engine and not yet answered in full: (its name, how many); the name
+    # is the one the supervisor's steering.Serve gave (the pid)
+    by_engine: tuple[tuple[str, int], ...] = ()
 
 
 # --- the warmup (warmup.py) -----------------------------------------------------------------------

@@ -414,3 +414,27 @@ def test_the_supervisor_steers_a_real_front_by_its_commands(upstream: Upstream) 
         assert wait_until(lambda: f.sample().draining)
     finally:
         f.stop()
+
+
+def test_requests_are_counted_and_routed_by_engine(upstream: Upstream) -> None:
+    """Issue 29.4: the front counts requests per engine (by the name Serve gave it): a stream
+    sent to the first engine stays that one's after the next is named, and new requests go to
+    the next."""
+    other = Upstream()
+    f = make_front(upstream, up=False, hold=30.0)
+    try:
+        f.command(Serve(*f.engine, 101))
+        upstream.mode = "slow"  # a stream of 1 s on engine 101
+        slow = Later(f.listen[1], stream=True)
+        assert wait_until(lambda: dict(f.sample().by_engine) == {"101": 1})
+        f.command(Serve("127.0.0.1", other.port, 102))  # (a failover, without the Hold)
+        assert wait_until(lambda: f.status()["front"]["engine"].endswith(str(other.port)))
+        assert request(f.listen[1])[0] == 200 and len(other.seen) == 1  # new: to 102
+        assert dict(f.sample().by_engine) == {"101": 1}  # the stream is still 101's
+        status, _, body = slow.get()
+        assert status == 200 and body.count(b"data: ") == 11 and len(upstream.seen) == 1
+        assert wait_until(lambda: f.sample().by_engine == ())
+        assert f.status()["front"]["by_engine"] == {}
+    finally:
+        f.stop()
+        other.close()
