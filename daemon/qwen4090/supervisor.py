@@ -72,6 +72,8 @@ IDLE_TICK = 0.5
 WAIT_TICK = 0.2
 LAST_LINES_TICK = 0.02  # vLLM's last lines: the pipes end milliseconds after its group
 ENGINE_TICK = 0.2  # while serving: how soon a dead EngineCore is seen (a /proc read per look)
+# The states in which the serving row holds an engine that serves (asleep for a build too).
+ROW_SERVES = (S.READY, S.DEGRADED, S.REBUILDING)
 BUILD_JOBS = frozenset({Job.BUILD_REFERENCE, Job.BUILD_SLEEP, Job.BUILD_WAKE, Job.BUILD_CHECK})
 FD_RETRY = 2.0  # a preflight that found no file descriptor to look with runs again this soon
 
@@ -360,8 +362,8 @@ class Supervisor:
         and the rest to this supervisor's ``on_<job>``."""
         job = task.kind
         if run is not self.run:  # a standby being built
-            serving = self.run if self.state in (S.READY, S.DEGRADED, S.REBUILDING) else None
-            self.carry_out(now, self.keeper.on_job(now, job, result, self.cfg, serving))
+            self.carry_out(now, self.keeper.on_job(now, job, result, self.cfg,
+                                                   self.serving_run()))
         elif job in BUILD_JOBS:  # the serving engine's sleep and wake around a build
             self.carry_out(now, self.keeper.on_serving_job(now, job, result, run,
                                                            self.standby_launch))
@@ -435,7 +437,7 @@ class Supervisor:
         k = self.keeper
         if not k.on and k.run is None and not k.dying:
             return
-        serving = self.run if self.state in (S.READY, S.DEGRADED, S.REBUILDING) else None
+        serving = self.serving_run()
         front = self.p.front.sample()
         k.note_quiet(now, front, serving=self.state is S.READY)
         self.carry_out(now, k.step(now, self.cfg, self.p.ports, serving, front))
@@ -457,6 +459,10 @@ class Supervisor:
                 self.transition(now, S.READY, ask.reason)
             elif ask.what == "fail" and ask.verdict is not None:
                 self.fail(now, ask.verdict)
+
+    def serving_run(self) -> Run | None:
+        """The serving row's run while it serves (or sleeps for a build), else None."""
+        return self.run if self.state in ROW_SERVES else None
 
     def standby_launch(self) -> Launch:
         """The standby's launch: the serving engine's settings (and its fixed KV budget) on
@@ -895,7 +901,7 @@ class Supervisor:
         # fault after a long healthy period is not a crash loop; the next ones back off.
         self.after_stable = self.served_stably(now)
         started = self.state not in states.SERVING_STATES
-        serving = self.state in (S.READY, S.DEGRADED, S.REBUILDING)
+        serving = self.state in ROW_SERVES
         takeover = self.keeper.takes_over(verdict, serving)
         self.keeper.build = None  # a build ends with the engine it slept for
         if self.keeper.run is not None and not self.keeper.ready:
