@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import queue
-import signal
 import threading
 import time
 from collections import deque
@@ -249,15 +248,12 @@ def serve_with(args: argparse.Namespace, cfg: Config, log: LogLike, inst: instan
         loop(sup, api, notifier, wake, log)
     except Exception as e:
         log.critical("internal_error", error=safe_error(e, where=True))
-        if sup.child is not None:
-            sup.child.signal_group(signal.SIGKILL)
-        sup.keeper.kill_all()
+        sup.engines.kill_all()
         return EX_SOFTWARE
     finally:
         gpu.stop_watch()
         pre.discard("stopping")
-        inst.close(group_gone=(sup.child is None or not sup.child.group_alive())
-                   and not sup.keeper.pids())
+        inst.close(group_gone=not sup.engines.alive())
     code = sup.exit_code if sup.exit_code is not None else EX_SOFTWARE
     until = time.monotonic() + NOTIFY_EXIT_WAIT
     while not notifier.flush() and time.monotonic() < until:

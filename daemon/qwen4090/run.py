@@ -10,8 +10,9 @@ The Run sends its own signals and starts its own probe jobs, and turns their res
 verdicts; it never changes the daemon's state.  The supervisor asks it (``start_step``,
 ``watch``, ``on_poll``, ``on_canary``, ``reap_group``...) and acts on the verdicts: a
 :class:`Move` between states, or a :class:`Fail` (an ``ExitVerdict``) that fails the run.
-Serving two engines under one supervisor would be a list of Runs, each with its own role
-(docs/architecture.md).
+Each Run has a :class:`Role` (the serving engine, the standby, one being retired) and its own
+:class:`Phase`, which it moves itself; the supervisor keeps every Run as a row of one table
+(engines.py) and the daemon's state says only what the service does (issue 29.3).
 """
 
 from __future__ import annotations
@@ -99,6 +100,26 @@ class _Verdicts:
         return any(isinstance(v, Fail) for v in self.out)
 
 
+class Role(enum.Enum):
+    """What an engine is for; a row of the table (engines.py) has one at a time."""
+
+    SERVING = "serving"  # the engine the front sends clients to (once it serves)
+    STANDBY = "standby"  # started beside it, to take over (standby.py)
+    RETIRING = "retiring"  # being stopped, and nobody waits for it but the GPU
+
+
+class Phase(enum.Enum):
+    """Where one engine is, from its spawn to its end: its own, not the daemon's state."""
+
+    STARTING = "starting"  # spawned, no line from vLLM yet
+    LOADING = "loading"  # /health asked until the 200
+    WARMING = "warming"  # the warmup (serving), the check and sleep (standby), a wake
+    UP = "up"  # answers, and is watched when it serves
+    HELD = "held"  # up but not watched: asleep, or about to be put to sleep
+    STOPPING = "stopping"  # drained or signalled: TERM, then KILL
+    GONE = "gone"  # no process of its group is left
+
+
 class Job(enum.Enum):
     """What a job in flight asks of an engine; its result goes to one handler (the
     supervisor's ``route``), chosen by the job and the engine's role."""
@@ -132,10 +153,13 @@ class Run:
     def __init__(self, child: ChildLike, probe: ProbeLike, launch: Launch, now: float,
                  watch: WatchConfig, log: LogLike, submit: Callable[[Callable[[], Any]],
                                                                     Future[Any]],
-                 clock: Callable[[], float], warnings: int = 0) -> None:
+                 clock: Callable[[], float], warnings: int = 0, role: Role = Role.SERVING
+                 ) -> None:
         """``submit`` runs a job off the loop (the supervisor's executor); ``warnings``: how
         many warnings its preflight logged (STATUS= says so while it runs)."""
         self.child = child
+        self.role = role
+        self.phase = Phase.STARTING
         self.warnings = warnings
         self.probe = probe
         self.launch = launch
@@ -195,18 +219,19 @@ class Run:
             task.future.cancel()
         self.tasks.clear()
 
-    def deadlines(self, state: State, w: WatchConfig) -> list[float]:
-        """When each judge of this run wants the loop back (the loop sleeps until the first)."""
+    def deadlines(self, w: WatchConfig) -> list[float]:
+        """When each judge of this run wants the loop back (the loop sleeps until the first),
+        by its own phase: the load's bound and polls, the serving watch, the stop."""
         out: list[float] = []
         if self.kill is not None:
             out.append(self.kill.deadline())
         if self.drain is not None:
             out.append(self.drain.next_deadline())
-        if state in (State.STARTING, State.LOADING):
+        if self.phase in (Phase.STARTING, Phase.LOADING):
             out.append(self.spawned_at + w.load_timeout)
-        if state is State.LOADING:
+        if self.phase is Phase.LOADING and Job.HEALTH not in self.tasks:
             out.append(self.next_load_poll)
-        if state in (State.READY, State.DEGRADED) and Job.POLL not in self.tasks:
+        if self.phase is Phase.UP and self.role is Role.SERVING and Job.POLL not in self.tasks:
             # A canary in flight, or withheld while the engine is busy, is not due before the
             # next poll says otherwise: its past deadline would make the loop spin (measured on
             # the H200: a core of the supervisor at c=1, the front's TTFT +5 ms).
@@ -217,32 +242,34 @@ class Run:
 
     # --- loading -----------------------------------------------------------------------------
 
-    def start_step(self, now: float, state: State, cfg: Config, ports: PortsLike
-                   ) -> list[Verdict]:
+    def start_step(self, now: float, cfg: Config, ports: PortsLike) -> list[Verdict]:
         """STARTING until vLLM's first line, LOADING with a /health poll each
         LOAD_POLL_INTERVAL until the 200 (the supervisor's on_health), WARMING until the
         warmup's result; each bounded (watch.load_timeout, warmup.timeout + request_timeout)."""
         w = cfg.watch
-        if state is State.WARMING:
+        if self.phase is Phase.WARMING:
             # the warmup's own bound: one that is still making progress has returned by then
             limit = warmup.bound(cfg)
             if Job.WARMUP in self.tasks and now - self.warmup_started > limit:
                 return [Fail(ExitVerdict(Cause.WARMUP_FAILED, f"warmup overran {limit:g}s",
                                          True))]
             return []
-        if state is State.STARTING and self.child.lines > 0:
+        if self.phase is Phase.STARTING and self.child.lines > 0:
+            self.phase = Phase.LOADING
             return [Move(State.LOADING, "vLLM is loading")]
         if now - self.spawned_at > w.load_timeout:
             return [Fail(ExitVerdict(Cause.LOAD_TIMEOUT, f"/health not 200 within "
                                                          f"{w.load_timeout:g}s "
                                                          "(watch.load_timeout)", True))]
-        if state is State.LOADING and now >= self.next_load_poll and Job.HEALTH not in self.tasks:
+        if self.phase is Phase.LOADING and now >= self.next_load_poll \
+                and Job.HEALTH not in self.tasks:
             self.submit(now, Job.HEALTH, _health_job(self.probe, w.health_timeout,
                                                    self.owner_check(ports)))
             self.next_load_poll = now + LOAD_POLL_INTERVAL
         return []
 
     def begin_warmup(self, now: float, warmup: Callable[..., Any]) -> None:
+        self.phase = Phase.WARMING
         self.warmup_started = self.last_warmup_step = now
         self.warmup_progress = ""
         cfg, probe = self.config, self.probe
@@ -299,11 +326,21 @@ class Run:
         serving's, and a first sample is taken at once, so that a hang in the first
         poll_interval is dated from its last progress (H200: a SIGSTOP 0.3 s after a rebuild's
         READY, with no sample since, was timed from the first poll, 1.7 s late)."""
+        self.phase = Phase.UP
         self.serving.hang.reset()
         self.serving.last_poll = now
         self.serving.ask()
         self.serving.last_canary = now
         self.serving.unhealthy_since = None
+
+    def hold(self) -> None:
+        """Up, but not watched: it sleeps (or is about to: a build), or waits as the standby."""
+        self.phase = Phase.HELD
+
+    def warming(self) -> None:
+        """Its answers before it counts: a standby's check and sleep, a promoted standby's
+        wake and check (then ``became_ready``)."""
+        self.phase = Phase.WARMING
 
     # --- vLLM's port: ours, or a stranger's (issue 8.2) ---------------------------------------
 
@@ -591,11 +628,13 @@ class Run:
 
     def start_drain(self, now: float, timeout: float) -> None:
         """SIGTERM while serving: the clients' requests may finish within ``timeout``."""
+        self.phase = Phase.STOPPING
         self.drain = Drain(deadline=now + timeout, next_poll=now)
 
     def begin_kill(self, now: float, term_timeout: float, hurry: str | None = None) -> None:
         """SIGTERM the group; SIGKILL after term_timeout, or after KILL_GRACE with a reason."""
         self.kill = KillSchedule(now, term_timeout, hurry)
+        self.phase = Phase.STOPPING
         self.gone_at = None
         if self.child.signal_group(signal.SIGTERM):
             # A stopped process (SIGSTOP, a debugger) acts on TERM only once continued.
@@ -616,7 +655,7 @@ class Run:
             return True
         rc = self.child.poll()
         if rc is not None and not self.child.group_alive():
-            self.gone_at = now
+            self.gone_at, self.phase = now, Phase.GONE
             self.log.info("group_gone", pid=self.child.pid, code=rc,
                           seconds_after_term=round(now - self.kill.term_sent, 2))
             return True
@@ -626,7 +665,7 @@ class Run:
                 self.kill_group(now, why)
         if self.kill.survived(now):
             self.log.error("group_survives_kill", pids=self.child.group_members())
-            self.gone_at = now
+            self.gone_at, self.phase = now, Phase.GONE
             return True
         return False
 

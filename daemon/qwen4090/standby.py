@@ -12,27 +12,28 @@ On a crash or a hang of the serving engine, the supervisor kills the failed grou
 standby, checks its known answer and points the front at it: READY again in about a second.
 Not for an OOM (the same settings would fail again: the ladder's) or a reload (new settings).
 
-The :class:`Keeper` owns the standby (its :class:`run.Run`, its jobs and its state) and the
-build, which needs the serving engine's sleep and wake; it never changes the daemon's state:
-it asks the supervisor (:class:`Ask`), which owns it.  Its decisions about time are pure
+The :class:`Keeper` owns the standby's slot (its row of the table of engines, engines.py: the
+Run with the standby role, its jobs and its phase) and the build, which needs the serving
+engine's sleep and wake; it never changes the daemon's state: it asks the supervisor
+(:class:`Ask`), which owns it.  Its decisions about time are pure
 (``due``, ``quiet``) and its clock is the supervisor's.
 """
 
 from __future__ import annotations
 
 import enum
-import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from qwen4090.config import Config
 from qwen4090.contracts import ChildLike, LogLike
+from qwen4090.engines import Engines
 from qwen4090.launch import Launch
 from qwen4090.policy import Cause, ExitVerdict
 from qwen4090.redact import safe_error
 from qwen4090.results import CompletionResult, FrontSample, HealthResult, Patient, ProbeLike
-from qwen4090.run import Fail, Job, Move, Run
+from qwen4090.run import Fail, Job, Role, Run
 from qwen4090.states import State
 
 # The known answer: a greedy completion of these token ids (ids < 1000 exist in every
@@ -172,7 +173,7 @@ class Keeper:
     make_probe: Callable[[Launch], ProbeLike]
     submit: Callable[[Callable[[], Any]], Any]
     clock: Callable[[], float]
-    run: Run | None = None
+    engines: Engines
     phase: Phase = Phase.NONE
     since: float = 0.0
     answer: str | None = None  # its known answer, taken before it slept
@@ -181,7 +182,6 @@ class Keeper:
     quiet_since: float | None = None
     next_try: float = 0.0
     failed_builds: int = 0
-    dying: list[Run] = field(default_factory=list)  # standby groups being stopped
     failovers: int = 0
     fallbacks: int = 0
     rebuilds: int = 0
@@ -191,6 +191,11 @@ class Keeper:
     def __post_init__(self) -> None:
         if self.on:
             self.phase = Phase.WAITING
+
+    @property
+    def run(self) -> Run | None:
+        """The standby's row of the table, while it has one."""
+        return self.engines.standby
 
     @property
     def on(self) -> bool:
@@ -221,7 +226,8 @@ class Keeper:
         straight its check (awake) is sent.  The supervisor harvests ``failover_*`` jobs."""
         run = self.run
         assert run is not None and self.phase is Phase.READY
-        self.run = None
+        self.engines.promote(run)
+        run.warming()
         f.kv_tokens, f.promoted = self.kv_tokens, now
         self.phase, self.since = Phase.WAKING, now
         f.answer, self.answer = self.answer, None
@@ -246,40 +252,16 @@ class Keeper:
         self.quiet_since = None
         self.next_try = now
 
-    def discard(self, now: float, why: str, term_timeout: float) -> list[int]:
-        """Stop the standby (and any build); the pids it had (the GPU must let go of them)."""
-        run, self.run = self.run, None
+    def discard(self, now: float, why: str, term_timeout: float) -> None:
+        """Stop the standby (and any build): its row retires (the GPU must let go of it)."""
+        run = self.run
         self.build = None
         self.answer = None
         if self.on:
             self.phase, self.since = Phase.WAITING, now
-        pids: list[int] = []
         if run is not None:
             self.log.warning("standby_discarded", reason=why, pid=run.child.pid)
-            pids = self._stop(run, now, term_timeout)
-        return pids
-
-    def _stop(self, run: Run, now: float, term_timeout: float) -> list[int]:
-        pids = run.abort(now, term_timeout, hung=False)
-        run.kill_group(now, "the standby is not needed")
-        self.dying.append(run)
-        return pids
-
-    def reap_dying(self, now: float) -> bool:
-        """Step the stops of standby groups; True when none is left."""
-        self.dying = [r for r in self.dying if not r.reap_group(now)]
-        return not self.dying
-
-    def pids(self) -> list[int]:
-        """Every process of a standby group (ours or dying): for a last SIGKILL at exit."""
-        out: list[int] = []
-        for run in ([self.run] if self.run is not None else []) + self.dying:
-            out.append(run.child.pid)
-        return out
-
-    def kill_all(self) -> None:
-        for run in ([self.run] if self.run is not None else []) + self.dying:
-            run.child.signal_group(signal.SIGKILL)
+            self.engines.retire(run, now, term_timeout, "the standby is not needed")
 
     # --- the build --------------------------------------------------------------------------
 
@@ -302,13 +284,8 @@ class Keeper:
         limit = SLEEP_TIMEOUT + cfg.restart.wake_timeout
         out: list[float] = []
         run = self.run
-        if run is not None:
-            starting = {Phase.STARTING: State.STARTING, Phase.LOADING: State.LOADING}
-            out += run.deadlines(starting.get(self.phase, State.STOPPING), cfg.watch)
-            if self.phase in (Phase.CHECKING, Phase.SLEEPING):
-                out.append(self.since + limit)
-        for dying in self.dying:
-            out += dying.deadlines(State.STOPPING, cfg.watch)
+        if run is not None and self.phase in (Phase.CHECKING, Phase.SLEEPING):
+            out.append(self.since + limit)
         b = self.build
         if b is not None:
             out.append(b.step_since + (cfg.stop.drain_timeout if b.step == "drain" else limit))
@@ -356,8 +333,8 @@ class Keeper:
         except Exception as e:  # OSError, ConfigError: the build failed, serving goes on
             self.build_failed(now, f"cannot start the standby: {safe_error(e)}")
             return
-        self.run = Run(child, probe, launch, now, launch.config.watch, self.log, self.submit,
-                       self.clock)
+        self.engines.add(Run(child, probe, launch, now, launch.config.watch, self.log,
+                             self.submit, self.clock, role=Role.STANDBY))
         self.phase, self.since = Phase.STARTING, now
         self.log.info("standby_spawned", pid=child.pid, port=launch.engine.port,
                       argv=" ".join(launch.argv))
@@ -376,6 +353,7 @@ class Keeper:
     def standby_ready(self, now: float) -> None:
         assert self.run is not None
         self.phase, self.since = Phase.READY, now
+        self.run.hold()
         self.failed_builds = 0
         self.detail = ""
         tokens, _ = self.run.child.kv_cache()
@@ -389,26 +367,26 @@ class Keeper:
         """One step of the standby and of the build around it; what the supervisor must do."""
         asks: list[Ask] = []
         run = self.run
-        if run is not None:  # (its jobs' results come through on_job)
+        if run is not None:  # (its jobs' results come through on_job, its exit on_exit)
             asks += self._watch(now, run, cfg, ports, serving)
         b = self.build
         if b is not None and serving is not None and self.sleeps:
             asks += self._serving_step(now, b, cfg, serving, front)
-        self.reap_dying(now)
         return asks
+
+    def on_exit(self, now: float, run: Run, rc: int, cfg: Config, serving: Run | None
+                ) -> list[Ask]:
+        """The standby's group exited on its own (Supervisor.reap)."""
+        return self.lost(now, f"the standby exited (code {rc}): {run.exit_verdict().detail}",
+                         cfg, serving)
 
     def _watch(self, now: float, run: Run, cfg: Config, ports: Any, serving: Run | None
                ) -> list[Ask]:
-        if (rc := run.exited()) is not None:
-            return self.lost(now, f"the standby exited (code {rc}): "
-                                  f"{run.exit_verdict().detail}", cfg, serving)
         if self.phase in (Phase.STARTING, Phase.LOADING):
-            state = State.STARTING if self.phase is Phase.STARTING else State.LOADING
-            for v in run.start_step(now, state, cfg, ports):
-                if isinstance(v, Move):
-                    self.phase, self.since = Phase.LOADING, now
-                elif isinstance(v, Fail):
+            for v in run.start_step(now, cfg, ports):
+                if isinstance(v, Fail):
                     return self.lost(now, v.verdict.detail, cfg, serving)
+                self.phase, self.since = Phase.LOADING, now  # the Move: vLLM's first line
         elif self.phase in (Phase.CHECKING, Phase.SLEEPING) \
                 and now - self.since > SLEEP_TIMEOUT + cfg.restart.wake_timeout:
             return self.lost(now, f"no answer to its {self.phase.value} within "
@@ -428,6 +406,7 @@ class Keeper:
             if health.ok and run.child.poll() is None \
                     and (owner is None or run.stranger(owner) is None):
                 self.phase, self.since = Phase.CHECKING, now
+                run.warming()
                 run.submit(now, Job.CHECK, check_job(run.probe, timeout))
         elif kind is Job.CHECK and self.phase is Phase.CHECKING:
             if (why := answered(result, None)):
@@ -450,10 +429,10 @@ class Keeper:
     def lost(self, now: float, why: str, cfg: Config, serving: Run | None) -> list[Ask]:
         """The standby failed (exited, timed out, answered wrong): stopped; the build goes on
         to wake the serving engine (sleep mode), and is tried again after a backoff."""
-        run, self.run = self.run, None
+        run = self.run
         self.answer = None
         if run is not None:
-            self._stop(run, now, cfg.stop.term_timeout)
+            self.engines.retire(run, now, cfg.stop.term_timeout, "the standby is not needed")
         self.build_failed(now, why)
         return self._built(now, serving)
 

@@ -24,6 +24,7 @@ from typing import Any
 from qwen4090 import fdlimit, states, statusline
 from qwen4090.config import Config, ConfigError, changed_sections, refused_keys, value_of
 from qwen4090.contracts import ChildLike, Parts, Published
+from qwen4090.engines import Engines
 from qwen4090.events import (
     ChildExitSeen,
     Event,
@@ -56,7 +57,7 @@ from qwen4090.results import (
     PortOwner,
     WarmupResult,
 )
-from qwen4090.run import Fail, Job, Move, Run, Task, Verdict
+from qwen4090.run import Fail, Job, Move, Role, Run, Task, Verdict
 from qwen4090.standby import Ask, Failover, Keeper, Step, check_job
 from qwen4090.states import State
 from qwen4090.steering import Drain, Hold, Refuse, Serve
@@ -90,7 +91,7 @@ class Supervisor:
         self.state_since = now
         self.state_reason = "start"
         self.exit_code: int | None = None
-        self.run: Run | None = None  # the vLLM process group, from its spawn until it is gone
+        self.engines = Engines(now)  # every vLLM process group, a row each (engines.py)
         self.launch = configured(cfg)  # what the last vLLM ran with, and why (launch.py)
         self.crashes = CrashLoop(cfg.restart)  # restarts, history, budget, backoff
         self.failure: ExitVerdict | None = None
@@ -99,8 +100,6 @@ class Supervisor:
         self.ready_since: float | None = None
         self.after_stable = False  # the failing run had been READY for restart.stable_after
         self.warmup: WarmupResult | None = None
-        self.old_pids: list[int] = []  # the last group's: the GPU must let go of them
-        self.gone_at = now  # ... since this moment
         self.reports: deque[Event | str] = deque()  # NVML threads: samples, fatal Xid texts
         self.engine_deaths: deque[tuple[object, str]] = deque()  # pipe readers: (child, line)
         self.signals: deque[int] = deque() if signals is None else signals
@@ -112,7 +111,8 @@ class Supervisor:
         # the standby engine and its builds (issue 21; standby.py)
         self.keeper = Keeper(cfg.restart.standby if cfg.front.enabled else "off", self.log,
                              parts.spawn, parts.make_probe,
-                             lambda fn: self.p.executor.submit(fn), parts.clock, since=now)
+                             lambda fn: self.p.executor.submit(fn), parts.clock, self.engines,
+                             since=now)
         # the takeover of the failure being handled (RESTARTING's sub-state; standby.Step)
         self.failover: Failover | None = None
         # A look that found no file descriptor (fdlimit.py): said once per burst, and the
@@ -128,6 +128,11 @@ class Supervisor:
     def launch_cfg(self) -> Config:
         """The config the current vLLM runs with (auto resolved, learned applied)."""
         return self.launch.config
+
+    @property
+    def run(self) -> Run | None:
+        """The serving row's run: from its spawn until its group is gone and its end judged."""
+        return self.engines.serving
 
     @property
     def child(self) -> ChildLike | None:
@@ -176,14 +181,12 @@ class Supervisor:
             waits.append(WAIT_TICK)
         if self.state in states.SERVING_STATES:
             waits.append(ENGINE_TICK)  # a dead EngineCore is seen within it (Run.watch)
-        due = [t for t in (self.restart_at, self.look_again_at) if t is not None]
-        if run is not None:
-            due += run.deadlines(self.state, self.cfg.watch)
-        # A deadline already passed was acted on (or is waited for by polling), except a
-        # serving poll not yet sent: that one is due now.
-        serving = self.state in states.SERVING_STATES
-        waits += [d - now for d in due if d > now or serving]
-        # the standby's row: only what is still ahead (a passed next try or quiet time waits
+        # the daemon's own deadlines, then every row's (engines.py: a passed one is due now
+        # only for the serving row's poll while it serves)
+        waits += [t - now for t in (self.restart_at, self.look_again_at)
+                  if t is not None and t > now]
+        waits += self.engines.waits(now, self.cfg.watch, self.state in states.SERVING_STATES)
+        # the standby's build: only what is still ahead (a passed next try or quiet time waits
         # for the state or the clients, not for the clock)
         waits += [d - now for d in self.keeper.deadlines(self.cfg) if d > now]
         return max(0.0, min(waits))
@@ -225,6 +228,7 @@ class Supervisor:
         snap = statusline.snapshot(self.facts(now), [asdict(r) for r in self.crashes.history],
                                    self.last_status)
         snap["standby"] = self.keeper.status(now)
+        snap["engines"] = self.engines.phases()  # the table: every row's role, phase, pid
         return snap
 
     # --- loop steps ------------------------------------------------------------------------
@@ -300,8 +304,8 @@ class Supervisor:
         self.crashes.reconfigure(new.restart)
         mode = new.restart.standby if new.front.enabled else "off"
         if mode != self.keeper.mode:
-            self.old_pids += self.keeper.discard(now, f"restart.standby = {mode!r} now",
-                                                 self.cfg.stop.term_timeout)
+            self.keeper.discard(now, f"restart.standby = {mode!r} now",
+                                self.cfg.stop.term_timeout)
             self.keeper.set_mode(mode, now)
         if self.run is not None:
             self.run.reconfigure(new, "watch" in changed)
@@ -350,18 +354,16 @@ class Supervisor:
                 self.give_up(now, EX_GPU, f"{v.cause.value}: {v.detail}")
 
     def harvest(self, now: float) -> None:
-        """Every engine's finished jobs, each to ``route`` (a gone run's are never read)."""
-        for run in (self.run, self.keeper.run):
-            if run is not None:
-                for task, result in run.finished(now):
-                    self.route(now, run, task, result)
+        """Every row's finished jobs, each to ``route`` (a retired row's were cancelled)."""
+        for run, task, result in self.engines.finished(now):
+            self.route(now, run, task, result)
 
     def route(self, now: float, run: Run, task: Task, result: Any) -> None:
         """The one place a job's result goes, chosen by the job and the engine's role: the
         standby's own jobs to its keeper; of the serving engine's, the build's to the keeper
         and the rest to this supervisor's ``on_<job>``."""
         job = task.kind
-        if run is not self.run:  # a standby being built
+        if run.role is Role.STANDBY:
             self.carry_out(now, self.keeper.on_job(now, job, result, self.cfg,
                                                    self.serving_run()))
         elif job in BUILD_JOBS:  # the serving engine's sleep and wake around a build
@@ -375,6 +377,13 @@ class Supervisor:
             handlers[job](now, result, task.started)
 
     def reap(self, now: float) -> None:
+        """One reap for every row: a standby that exited is the keeper's loss, the serving
+        engine's exit a failure; the retired rows' stops go on until their groups are gone."""
+        self.engines.reap_retiring(now)
+        standby = self.keeper.run
+        if standby is not None and (rc := standby.exited()) is not None:
+            self.carry_out(now, self.keeper.on_exit(now, standby, rc, self.cfg,
+                                                    self.serving_run()))
         run = self.run
         if run is None or self.state not in states.CHILD_STATES:
             return
@@ -435,7 +444,7 @@ class Supervisor:
     def step_standby(self, now: float) -> None:
         """The standby's own start and the build around it; a build begins when it is due."""
         k = self.keeper
-        if not k.on and k.run is None and not k.dying:
+        if not k.on and k.run is None:
             return
         serving = self.serving_run()
         front = self.p.front.sample()
@@ -450,6 +459,7 @@ class Supervisor:
         for ask in asks:
             if ask.what == "hold" and self.state is S.READY:
                 assert self.run is not None
+                self.run.hold()  # no watch while it sleeps for the build
                 self.transition(now, S.REBUILDING, ask.reason)
                 self.p.front.command(Hold(ask.reason, self.run.child.pid))  # it sleeps
             elif ask.what == "resume" and self.state is S.REBUILDING:
@@ -472,15 +482,15 @@ class Supervisor:
     def room_for_standby(self, now: float) -> bool:
         """The GPU has room for the woken standby now (its gpu_memory_utilization free):
         no need to wait for the failed group's memory (True only when NVML says so)."""
-        standby = self.keeper.run
-        if not self.old_pids or standby is None:
+        standby, e = self.keeper.run, self.engines
+        if not e.gpu_pids or standby is None:
             return False
         v = standby.config
         if not self.p.gpu.room(v.gpu.device, v.vllm.gpu_memory_utilization):
             return False
-        self.log.info("gpu_room_for_standby", waited=round(now - self.gone_at, 2),
-                      held=self.p.gpu.held(v.gpu.device, self.old_pids))
-        self.old_pids = []
+        self.log.info("gpu_room_for_standby", waited=round(now - e.gone_at, 2),
+                      held=self.p.gpu.held(v.gpu.device, e.gpu_pids))
+        e.released()
         return True
 
     def step_rebuilding(self, now: float) -> None:
@@ -489,8 +499,7 @@ class Supervisor:
 
     def begin_failover(self, now: float, f: Failover) -> None:
         """The failed group is gone (and, asleep standby, its GPU memory): wake the standby."""
-        run = self.keeper.promote(now, f)
-        self.run = run
+        run = self.keeper.promote(now, f)  # its row serves now
         self.log.info("failover_started", cause=f.cause, pid=run.child.pid,
                       port=run.launch.engine.port, asleep=self.keeper.sleeps)
         self.state_reason = f"failover: waking the standby (pid {run.child.pid})"
@@ -533,7 +542,7 @@ class Supervisor:
         f.to(Step.FALL_BACK, now)
         self.keeper.failover_done(now, f, ok=False)
         self.keeper.detail = f"last failover failed: {why}"
-        self.old_pids += run.abort(now, self.cfg.stop.term_timeout, hung=True)
+        self.engines.stop(run, now, self.cfg.stop.term_timeout, hung=True)
         run.kill_group(now, "the standby did not take over")
 
     # --- per-state steps -----------------------------------------------------------------
@@ -598,9 +607,9 @@ class Supervisor:
                                               f"{e.strerror or e}")
             self.give_up(now, EX_CONFIG, str(err))
             return
-        self.run = Run(child, probe, chosen, now, self.cfg.watch,
-                       self.log, lambda fn: self.p.executor.submit(fn), self.p.clock,
-                       warnings=len(res.warnings))
+        self.engines.add(Run(child, probe, chosen, now, self.cfg.watch, self.log,
+                             lambda fn: self.p.executor.submit(fn), self.p.clock,
+                             warnings=len(res.warnings)))
         self.launch = chosen
         self.failure = None
         self.log.info("child_spawned", pid=child.pid, argv=" ".join(chosen.argv))
@@ -609,7 +618,7 @@ class Supervisor:
     def step_starting(self, now: float) -> None:
         """STARTING, LOADING, WARMING: the run's start, judged (first line, /health, timeouts)."""
         assert self.run is not None
-        self.act(now, self.run.start_step(now, self.state, self.cfg, self.p.ports))
+        self.act(now, self.run.start_step(now, self.cfg, self.p.ports))
 
     step_loading = step_warming = step_starting
 
@@ -732,16 +741,14 @@ class Supervisor:
                 return
             if f is not None and f.step is Step.FALL_BACK:  # now a normal restart
                 self.failover = None
-                self.gone_at = now
-                self.run = None
+                self.engines.drop(run, now)
                 self.restart_at = now
                 self.log.warning("restart_scheduled", cause="failover_failed", delay=0.0,
                                  restarts=self.crashes.restarts)
                 return
             tail = run.child.tail_lines()
             self.reclassify_exit(now, run, tail)
-            self.gone_at = now
-            self.run = None
+            self.engines.drop(run, now)
             self.after_child_gone(now, tail)
             return
         if f is not None and f.step is Step.GPU:
@@ -797,8 +804,8 @@ class Supervisor:
             self.failover = f
             return
         if self.keeper.run is not None:  # a normal restart: the standby has the old settings
-            self.old_pids += self.keeper.discard(now, f"a restart after {v.cause.value}",
-                                                 self.cfg.stop.term_timeout)
+            self.keeper.discard(now, f"a restart after {v.cause.value}",
+                                self.cfg.stop.term_timeout)
         delay = backoff_delay(self.crashes.consecutive, self.cfg.restart, self.p.rand) \
             if counted and not self.after_stable else 0.0
         self.restart_at = now + delay
@@ -831,10 +838,11 @@ class Supervisor:
 
     def gpu_released(self, now: float) -> bool:
         """Before a relaunch: the old vLLM's GPU memory is free, or we waited long enough."""
-        if not self.old_pids:
+        e = self.engines
+        if not e.gpu_pids:
             return True
-        held = self.p.gpu.held(self.launch.config.gpu.device, self.old_pids)
-        waited = round(now - self.gone_at, 2)
+        held = self.p.gpu.held(self.launch.config.gpu.device, e.gpu_pids)
+        waited = round(now - e.gone_at, 2)
         if held is None:
             self.log.info("gpu_released", waited=waited)
         elif waited < self.cfg.gpu.release_timeout:
@@ -842,13 +850,13 @@ class Supervisor:
         else:
             self.log.warning("gpu_not_released", waited=waited, holders=held,
                              hint="relaunching anyway; preflight will name what holds memory")
-        self.old_pids = []
+        e.released()
         return True
 
     def step_stopping(self, now: float) -> None:
         run = self.run
         if run is None:
-            if self.keeper.reap_dying(now):  # the standby's group is gone too
+            if self.engines.reap_retiring(now):  # the standby's group is gone too
                 self.finish_stop(now)
             return
         if run.drain is not None:
@@ -863,8 +871,8 @@ class Supervisor:
                 run.begin_kill(now, self.cfg.stop.term_timeout, hurry=hurry or None)
             return
         if run.reap_group(now):
-            self.run = None
-            if self.keeper.reap_dying(now):
+            self.engines.drop(run, now)
+            if self.engines.reap_retiring(now):
                 self.finish_stop(now)
 
     def finish_stop(self, now: float) -> None:
@@ -905,8 +913,8 @@ class Supervisor:
         takeover = self.keeper.takes_over(verdict, serving)
         self.keeper.build = None  # a build ends with the engine it slept for
         if self.keeper.run is not None and not self.keeper.ready:
-            self.old_pids += self.keeper.discard(now, "the serving engine failed during the "
-                                                 "standby's build", self.cfg.stop.term_timeout)
+            self.keeper.discard(now, "the serving engine failed during the standby's build",
+                                self.cfg.stop.term_timeout)
         self.failure = verdict
         level = self.log.info if verdict.cause in NOT_FAILURES else self.log.error
         run = self.run
@@ -922,13 +930,13 @@ class Supervisor:
         if started and self.p.gpu.forget_kv(run.launch):
             self.log.warning("kv_budget_forgotten", reason="a start with the fixed KV budget "
                                                            "failed; the next one profiles again")
-        self.old_pids += run.abort(now, self.cfg.stop.term_timeout, verdict.cause is Cause.HANG)
+        self.engines.stop(run, now, self.cfg.stop.term_timeout, verdict.cause is Cause.HANG)
         if takeover:  # a polite stop of a failed engine would only delay the standby
             run.kill_group(now, "failover: the standby takes over")
 
     def give_up(self, now: float, code: int, why: str) -> None:
         self.keeper.discard(now, f"giving up: {why}", self.cfg.stop.term_timeout)
-        self.keeper.kill_all()  # the loop ends now: no waiting for the standby's group
+        self.engines.kill_all()  # the loop ends now: no waiting for the standby's group
         self.exit_code = code
         self.log.critical("giving_up", exit_code=code, reason=why)
         self.transition(now, S.FAILED, why)

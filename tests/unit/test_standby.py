@@ -450,3 +450,33 @@ def test_the_takeover_is_one_typed_machine() -> None:
     f.to(Step.FALL_BACK, 13.0)
     with pytest.raises(ValueError):
         f.to(Step.GPU, 14.0)
+
+
+def test_every_engine_is_a_row_of_one_table_with_its_role_and_its_own_phase() -> None:
+    # issue 29.3: the serving engine, the standby and a discarded standby are rows of one
+    # table; each row moves its own phase (not the daemon's state), /status lists them, and
+    # the one deadline query sees the standby's load bound (its spawn + watch.load_timeout).
+    h = StandbyHarness("sleep")
+    h.run_until(S.READY)
+    rows = h.sup.snapshot()["engines"]
+    assert [(r["role"], r["phase"]) for r in rows] == [("serving", "up")]
+    h.probe_of(ENGINE).tokens_per_metrics = 1.0
+    h.until(lambda: h.sup.keeper.phase is Phase.LOADING)
+    standby = h.sup.keeper.run
+    assert standby is not None and standby.phase.value == "loading"
+    assert h.sup.state is S.REBUILDING  # the daemon's state is the service's
+    assert [(r["role"], r["phase"]) for r in h.sup.snapshot()["engines"]] == [
+        ("serving", "held"), ("standby", "loading")]
+    bound = standby.spawned_at + h.sup.cfg.watch.load_timeout
+    assert bound - h.clock.t in h.sup.engines.waits(h.clock.t, h.sup.cfg.watch, serving=False)
+    h.until(lambda: h.sup.keeper.ready and h.sup.state is S.READY)
+    assert [(r["role"], r["phase"]) for r in h.sup.snapshot()["engines"]] == [
+        ("serving", "up"), ("standby", "held")]
+    # a reload that turns the standby off retires its row: killed, kept until its group is
+    # gone, and its pids wait for the GPU like a failed group's
+    pid = standby.child.pid
+    h.sup.keeper.discard(h.clock.t, "test", 1.0)  # (as a reload to standby = "off" does)
+    assert ("retiring", pid) in [(r["role"], r["pid"]) for r in h.sup.snapshot()["engines"]]
+    assert pid in h.sup.engines.gpu_pids and signal.SIGKILL in h.children[-1].signals
+    h.step(0.25)
+    assert [r["role"] for r in h.sup.snapshot()["engines"]] == ["serving"]

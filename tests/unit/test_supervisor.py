@@ -601,7 +601,7 @@ def test_api_server_waiting_for_connections_after_its_engine_is_gone_is_killed()
     h.run_until(State.PREFLIGHT, dt=0.25)
     kill = next(kw for _, e, kw in h.log.events if e == "group_kill")
     assert "no EngineCore left" in kill["reason"]
-    assert h.sup.gone_at - term <= 2 * 2.0 + 0.5  # engine looked for after the grace, + grace
+    assert h.sup.engines.gone_at - term <= 2 * 2.0 + 0.5  # the grace, the look, + grace
     assert h.children[0].signals == [signal.SIGTERM, signal.SIGCONT, signal.SIGKILL]
 
 
@@ -619,7 +619,7 @@ def test_hang_restart_continues_the_group_and_kills_without_term_timeout() -> No
     assert hung.signals == [signal.SIGTERM, signal.SIGCONT, signal.SIGKILL]
     kill = next(kw for _, e, kw in h.log.events if e == "group_kill")
     assert kill["reason"].startswith("hang")
-    assert h.sup.gone_at - term <= 2.0 + 0.5
+    assert h.sup.engines.gone_at - term <= 2.0 + 0.5
 
 
 def test_a_restart_we_asked_for_keeps_its_cause_whatever_the_tail_says() -> None:

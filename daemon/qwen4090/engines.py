@@ -1,0 +1,112 @@
+"""The table of engines: every vLLM process group of the daemon is a row, a :class:`run.Run`
+with its role (issue 29.3).
+
+The supervisor keeps one table and steps every row the same way: one harvest of finished jobs,
+one reap, one deadline query.  Which row serves is the row's role, changed only here (``add``,
+``promote``, ``retire``, ``drop``); the rows being stopped (a standby discarded, a failed one)
+stay until their group is gone, and the pids of every group stopped are kept until the GPU has
+let go of them (the next launch waits for that: ``gpu_pids``).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+from qwen4090.config import WatchConfig
+from qwen4090.run import Role, Run, Task
+
+
+class Engines:
+    def __init__(self, now: float) -> None:
+        self.rows: list[Run] = []
+        self.gpu_pids: list[int] = []  # groups stopped: the GPU must let go of them ...
+        self.gone_at = now  # ... since this moment (the failed serving group's end)
+
+    # --- the rows, by role ----------------------------------------------------------------
+
+    def _one(self, role: Role) -> Run | None:
+        return next((r for r in self.rows if r.role is role), None)
+
+    @property
+    def serving(self) -> Run | None:
+        """The serving row: from its spawn until its group is gone and its end judged."""
+        return self._one(Role.SERVING)
+
+    @property
+    def standby(self) -> Run | None:
+        return self._one(Role.STANDBY)
+
+    @property
+    def retiring(self) -> list[Run]:
+        return [r for r in self.rows if r.role is Role.RETIRING]
+
+    def add(self, run: Run) -> None:
+        assert run.role is Role.RETIRING or self._one(run.role) is None, run.role
+        self.rows.append(run)
+
+    def promote(self, run: Run) -> None:
+        """The standby becomes the serving row (the failed one was dropped)."""
+        assert run.role is Role.STANDBY and self.serving is None
+        run.role = Role.SERVING
+
+    def stop(self, run: Run, now: float, term_timeout: float, hung: bool) -> None:
+        """Stop a row's group (its jobs cancelled); its pids wait for the GPU's release."""
+        self.gpu_pids += run.abort(now, term_timeout, hung)
+
+    def retire(self, run: Run, now: float, term_timeout: float, why: str) -> None:
+        """A row nobody waits for any more (a standby not needed): killed, kept until gone."""
+        self.stop(run, now, term_timeout, hung=False)
+        run.kill_group(now, why)
+        run.role = Role.RETIRING
+
+    def drop(self, run: Run, now: float) -> None:
+        """A row whose group is gone and whose end was judged (the serving one's)."""
+        self.rows.remove(run)
+        self.gone_at = now
+
+    def released(self) -> None:
+        """The GPU let go of the stopped groups (or was waited for long enough)."""
+        self.gpu_pids = []
+
+    # --- every row the same way -----------------------------------------------------------
+
+    def finished(self, now: float) -> Iterator[tuple[Run, Task, Any]]:
+        """The finished jobs of every row that still has them (a retired row's were
+        cancelled), each with its row."""
+        for run in [r for r in self.rows if r.role is not Role.RETIRING]:
+            for task, result in run.finished(now):
+                yield run, task, result
+
+    def reap_retiring(self, now: float) -> bool:
+        """Step the stops of the retired rows, drop the gone ones; True when none is left."""
+        for run in self.retiring:
+            if run.reap_group(now):
+                self.rows.remove(run)
+        return not self.retiring
+
+    def waits(self, now: float, w: WatchConfig, serving: bool) -> list[float]:
+        """Seconds until each row's next deadline (Run.deadlines, by its phase).  A deadline
+        already passed was acted on or is waited for by polling, except the serving row's poll
+        not yet sent while it serves (``serving``): that one is due now."""
+        out: list[float] = []
+        for run in self.rows:
+            due_now = serving and run.role is Role.SERVING
+            out += [d - now for d in run.deadlines(w) if d > now or due_now]
+        return out
+
+    def alive(self) -> bool:
+        """Some row's group still has a process (cli: the instance lock's record)."""
+        return any(r.child.poll() is None or r.child.group_alive() for r in self.rows)
+
+    def kill_all(self) -> None:
+        """The loop ends now (an internal error, giving up): no waiting for any group."""
+        for run in self.rows:
+            run.child.signal_group(signal.SIGKILL)
+
+    def phases(self) -> list[dict[str, Any]]:
+        """Every row, for /status: its role, phase and pid."""
+        return [{"role": r.role.value, "phase": r.phase.value, "pid": r.child.pid}
+                for r in self.rows]
+
