@@ -15,11 +15,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from qwen4090.config import WatchConfig
+from qwen4090.contracts import GpuLike, LogLike
 from qwen4090.run import Role, Run, Task
 
 
 class Engines:
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, log: LogLike) -> None:
+        self.log = log
         self.rows: list[Run] = []
         self.gpu_pids: list[int] = []  # groups stopped: the GPU must let go of them ...
         self.gone_at = now  # ... since this moment (the failed serving group's end)
@@ -66,9 +68,36 @@ class Engines:
         self.rows.remove(run)
         self.gone_at = now
 
-    def released(self) -> None:
-        """The GPU let go of the stopped groups (or was waited for long enough)."""
+    def gpu_released(self, now: float, gpu: GpuLike, device: int, timeout: float) -> bool:
+        """Before a relaunch: the stopped groups' GPU memory is free, or we waited
+        gpu.release_timeout (the preflight then names what holds memory)."""
+        if not self.gpu_pids:
+            return True
+        held = gpu.held(device, self.gpu_pids)
+        waited = round(now - self.gone_at, 2)
+        if held is None:
+            self.log.info("gpu_released", waited=waited)
+        elif waited < timeout:
+            return False
+        else:
+            self.log.warning("gpu_not_released", waited=waited, holders=held,
+                             hint="relaunching anyway; preflight will name what holds memory")
         self.gpu_pids = []
+        return True
+
+    def room_for_standby(self, now: float, gpu: GpuLike) -> bool:
+        """The GPU has room for the woken standby now (its gpu_memory_utilization free): no
+        need to wait for the failed group's memory (True only when NVML says so)."""
+        standby = self.standby
+        if not self.gpu_pids or standby is None:
+            return False
+        v = standby.config
+        if not gpu.room(v.gpu.device, v.vllm.gpu_memory_utilization):
+            return False
+        self.log.info("gpu_room_for_standby", waited=round(now - self.gone_at, 2),
+                      held=gpu.held(v.gpu.device, self.gpu_pids))
+        self.gpu_pids = []
+        return True
 
     # --- every row the same way -----------------------------------------------------------
 

@@ -31,7 +31,6 @@ from qwen4090.events import (
     GpuSampled,
     Reloaded,
     Restarted,
-    StandbyWoken,
     SteppedDown,
     Transition,
     WarmedUp,
@@ -58,9 +57,10 @@ from qwen4090.results import (
     WarmupResult,
 )
 from qwen4090.run import Fail, Job, Move, Role, Run, Task, Verdict
-from qwen4090.standby import Ask, Failover, Keeper, Step, check_job
+from qwen4090.standby import Ask, Keeper, Step
 from qwen4090.states import State
 from qwen4090.steering import Drain, Hold, Refuse, Serve
+from qwen4090.takeover import Takeover
 
 S = State
 
@@ -91,7 +91,7 @@ class Supervisor:
         self.state_since = now
         self.state_reason = "start"
         self.exit_code: int | None = None
-        self.engines = Engines(now)  # every vLLM process group, a row each (engines.py)
+        self.engines = Engines(now, parts.log)  # every vLLM process group, a row each (engines.py)
         self.launch = configured(cfg)  # what the last vLLM ran with, and why (launch.py)
         self.crashes = CrashLoop(cfg.restart)  # restarts, history, budget, backoff
         self.failure: ExitVerdict | None = None
@@ -113,8 +113,8 @@ class Supervisor:
                              parts.spawn, parts.make_probe,
                              lambda fn: self.p.executor.submit(fn), parts.clock, self.engines,
                              since=now)
-        # the takeover of the failure being handled (RESTARTING's sub-state; standby.Step)
-        self.failover: Failover | None = None
+        # the takeover of the failure being handled (RESTARTING's sub-state; takeover.py)
+        self.takeover = Takeover(self.engines, self.keeper, self.log, self.emit)
         # A look that found no file descriptor (fdlimit.py): said once per burst, and the
         # preflight that could not look runs again at look_again_at, not counted.
         self.pressure = fdlimit.PRESSURE
@@ -172,7 +172,7 @@ class Supervisor:
         if self.moved:
             return 0.0
         run = self.run
-        waits_gpu = self.failover is not None and self.failover.step is Step.GPU
+        waits_gpu = self.takeover.at(Step.GPU)
         if self.state is S.RESTARTING and ((run is not None and run.gone_at is not None)
                                            or waits_gpu):
             return LAST_LINES_TICK  # (a failover waits for the GPU to let go: not a tick)
@@ -255,7 +255,7 @@ class Supervisor:
         self.notify_stopping(f"stopping: {why}")
         self.transition(now, S.STOPPING, why)
         self.p.front.command(Drain())
-        self.failover = None
+        self.takeover.end()
         self.keeper.discard(now, f"stopping: {why}", self.cfg.stop.term_timeout)
         if run is None:
             return
@@ -376,6 +376,16 @@ class Supervisor:
                 Job.FAILOVER_CHECK: self.on_failover_check}
             handlers[job](now, result, task.started)
 
+    def on_failover_wake(self, now: float, res: HealthResult, started: float) -> None:
+        if self.run is not None:
+            self.takeover.on_wake(now, self.run, res, started, self.cfg)
+
+    def on_failover_check(self, now: float, res: CompletionResult, started: float) -> None:
+        run = self.run
+        if run is not None and self.takeover.on_check(now, run, res, self.cfg):
+            self.launch = run.launch
+            self.become_ready(now, "failover: the standby serves")
+
     def reap(self, now: float) -> None:
         """One reap for every row: a standby that exited is the keeper's loss, the serving
         engine's exit a failure; the retired rows' stops go on until their groups are gone."""
@@ -479,71 +489,9 @@ class Supervisor:
         the engine endpoint the serving engine does not hold."""
         return self.p.gpu.launch(self.cfg, self.run.launch.engine if self.run else None)
 
-    def room_for_standby(self, now: float) -> bool:
-        """The GPU has room for the woken standby now (its gpu_memory_utilization free):
-        no need to wait for the failed group's memory (True only when NVML says so)."""
-        standby, e = self.keeper.run, self.engines
-        if not e.gpu_pids or standby is None:
-            return False
-        v = standby.config
-        if not self.p.gpu.room(v.gpu.device, v.vllm.gpu_memory_utilization):
-            return False
-        self.log.info("gpu_room_for_standby", waited=round(now - e.gone_at, 2),
-                      held=self.p.gpu.held(v.gpu.device, e.gpu_pids))
-        e.released()
-        return True
-
     def step_rebuilding(self, now: float) -> None:
         """The serving engine sleeps (or wakes) for a standby's build: no polls nor canaries
         (an engine asleep answers none); the keeper bounds each step."""
-
-    def begin_failover(self, now: float, f: Failover) -> None:
-        """The failed group is gone (and, asleep standby, its GPU memory): wake the standby."""
-        run = self.keeper.promote(now, f)  # its row serves now
-        self.log.info("failover_started", cause=f.cause, pid=run.child.pid,
-                      port=run.launch.engine.port, asleep=self.keeper.sleeps)
-        self.state_reason = f"failover: waking the standby (pid {run.child.pid})"
-        if not self.keeper.sleeps:  # awake: nothing to wake, its check is on the way
-            self.emit(StandbyWoken(0.0))
-
-    def on_failover_wake(self, now: float, res: HealthResult, started: float) -> None:
-        f, run = self.failover, self.run
-        if f is None or f.step is not Step.WAKE or run is None:
-            return
-        if why := f.on_wake(now, res):
-            self.failover_failed(now, f, why)
-            return
-        self.emit(StandbyWoken(now - started))
-        run.submit(now, Job.FAILOVER_CHECK, check_job(run.probe, self.cfg.restart.wake_timeout))
-
-    def on_failover_check(self, now: float, res: CompletionResult, started: float) -> None:
-        f, run = self.failover, self.run
-        if f is None or f.step is not Step.CHECK or run is None:
-            return
-        if why := f.on_check(res):
-            self.failover_failed(now, f, why)
-            return
-        self.failover = None
-        self.keeper.failover_done(now, f, ok=True)
-        self.log.info("failover_done", cause=f.cause, pid=run.child.pid,
-                      port=run.launch.engine.port,
-                      seconds=round(f.seconds, 3) if f.seconds is not None else None,
-                      wake_seconds=f.as_json()["wake_seconds"], kv_tokens=f.kv_tokens)
-        self.launch = run.launch
-        self.become_ready(now, "failover: the standby serves")
-
-    def failover_failed(self, now: float, f: Failover, why: str) -> None:
-        """A wake that failed, hung or answered wrong: the standby is stopped, then the normal
-        restart (issue 21.5)."""
-        run = self.run
-        assert run is not None
-        self.log.error("failover_failed", reason=why, pid=run.child.pid,
-                       fallback="the normal restart")
-        f.to(Step.FALL_BACK, now)
-        self.keeper.failover_done(now, f, ok=False)
-        self.keeper.detail = f"last failover failed: {why}"
-        self.engines.stop(run, now, self.cfg.stop.term_timeout, hung=True)
-        run.kill_group(now, "the standby did not take over")
 
     # --- per-state steps -----------------------------------------------------------------
 
@@ -725,22 +673,21 @@ class Supervisor:
             return
 
     def step_restarting(self, now: float) -> None:
-        run, f = self.run, self.failover
-        if f is not None and f.waking:  # the standby is taking over: its answers are harvested
-            if why := f.overdue(now, self.cfg.restart.wake_timeout):
-                self.failover_failed(now, f, why)
+        run, t = self.run, self.takeover
+        if t.waking:  # the standby is taking over: its answers are harvested
+            t.overdue(now, self.cfg)
             return
         if run is not None:
             if not run.reap_group(now):
                 return
-            if not run.last_lines_in(now) and not (f is not None and f.step is Step.KILL
+            if not run.last_lines_in(now) and not (t.at(Step.KILL)
                                                    and not run.tail_decides(self.failure)):
                 # vLLM's last lines are still on their way (never blocking the loop); a
                 # takeover does not wait for lines that cannot change it (a hang we ended:
                 # on the H200 the wait took 2 s of the failover, up to OUTPUT_WAIT)
                 return
-            if f is not None and f.step is Step.FALL_BACK:  # now a normal restart
-                self.failover = None
+            if t.at(Step.FALL_BACK):  # now a normal restart
+                t.end()
                 self.engines.drop(run, now)
                 self.restart_at = now
                 self.log.warning("restart_scheduled", cause="failover_failed", delay=0.0,
@@ -751,18 +698,17 @@ class Supervisor:
             self.engines.drop(run, now)
             self.after_child_gone(now, tail)
             return
-        if f is not None and f.step is Step.GPU:
+        if t.at(Step.GPU):
             # an asleep standby wakes into the memory the failed group held: once it is
             # released, or as soon as there is room for the standby anyway
-            if not self.room_for_standby(now) and not self.gpu_released(now):
+            if not self.engines.room_for_standby(now, self.p.gpu) \
+                    and not self.gpu_released(now):
                 return
-            if not self.keeper.ready:  # it failed while the GPU let go: the normal restart
-                self.failover = None
-                self.log.warning("failover_failed", reason="the standby was lost before its "
-                                 "wake", fallback="the normal restart")
+            if t.wake(now):
+                assert self.run is not None
+                self.state_reason = f"failover: waking the standby (pid {self.run.child.pid})"
+            else:  # it failed while the GPU let go: the normal restart
                 self.restart_at = now
-                return
-            self.begin_failover(now, f)
             return
         if self.restart_at is not None and now >= self.restart_at:
             if not self.gpu_released(now):
@@ -792,16 +738,17 @@ class Supervisor:
             self.give_up(now, code, f"{v.cause.value}: {v.detail}")
             return
         # the tail may have changed the verdict (an OOM is not taken over: the ladder's)
-        f = self.failover if self.keeper.takes_over(v, serving=True) else None
-        self.failover = None
+        takes_over = self.takeover.current is not None and self.keeper.takes_over(v, True)
+        if not takes_over:
+            self.takeover.end()
         if v.cause == Cause.OOM:
             self.step_down(v, tail)
         if counted and (spent := self.crashes.spent(now, self.cfg.restart, v)) is not None:
+            self.takeover.end()
             self.give_up(now, EX_TEMPFAIL, spent)
             return
-        if f is not None:
-            f.to(Step.GPU, now)
-            self.failover = f
+        if takes_over:
+            self.takeover.group_gone(now)
             return
         if self.keeper.run is not None:  # a normal restart: the standby has the old settings
             self.keeper.discard(now, f"a restart after {v.cause.value}",
@@ -837,21 +784,9 @@ class Supervisor:
                                 "or quantized model")
 
     def gpu_released(self, now: float) -> bool:
-        """Before a relaunch: the old vLLM's GPU memory is free, or we waited long enough."""
-        e = self.engines
-        if not e.gpu_pids:
-            return True
-        held = self.p.gpu.held(self.launch.config.gpu.device, e.gpu_pids)
-        waited = round(now - e.gone_at, 2)
-        if held is None:
-            self.log.info("gpu_released", waited=waited)
-        elif waited < self.cfg.gpu.release_timeout:
-            return False
-        else:
-            self.log.warning("gpu_not_released", waited=waited, holders=held,
-                             hint="relaunching anyway; preflight will name what holds memory")
-        e.released()
-        return True
+        """Before a relaunch: the stopped groups' GPU memory is free (engines.py)."""
+        return self.engines.gpu_released(now, self.p.gpu, self.launch.config.gpu.device,
+                                         self.cfg.gpu.release_timeout)
 
     def step_stopping(self, now: float) -> None:
         run = self.run
@@ -923,7 +858,10 @@ class Supervisor:
         self.transition(now, S.RESTARTING, f"{verdict.cause.value}: {verdict.detail}")
         self.p.front.command(Hold(f"{verdict.cause.value}: {verdict.detail}",
                                   run.child.pid if run else None))
-        self.failover = Failover(verdict.cause.value, now, since=now) if takeover else None
+        if takeover:
+            self.takeover.begin(now, verdict.cause.value)
+        else:
+            self.takeover.end()
         if run is None:
             self.after_child_gone(now, [])
             return
@@ -985,4 +923,4 @@ class Supervisor:
             port_holder=self.port.holder, warnings=run.warnings if run else 0,
             front=self.p.front.sample(),
             standby=self.keeper.phase.value if self.keeper.on else "",
-            waking=self.failover is not None and self.failover.waking)
+            waking=self.takeover.waking)

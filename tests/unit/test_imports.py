@@ -52,7 +52,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # the contracts of the parts the supervisor drives (protocols, do-nothing parts, Parts)
     "contracts": ("contracts", "statusline"),
     # the engines: one vLLM run and its judges' verdicts, the standby's keeper, the port guard
-    "engines": ("run", "engines", "standby", "portguard"),
+    "engines": ("run", "engines", "standby", "takeover", "portguard"),
     # the daemon's state machine
     "supervisor": ("supervisor",),
     # what the composition root wires around it: the signals, the status endpoint

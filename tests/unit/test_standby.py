@@ -370,7 +370,7 @@ def test_a_standby_lost_while_the_gpu_lets_go_means_the_normal_restart() -> None
     h.standby_ready()
     h.children[0].exit(1)
     h.step(0.25, 4)
-    assert h.sup.failover is not None and h.sup.failover.step is Step.GPU
+    assert h.sup.takeover.at(Step.GPU)
     h.children[1].exit(1)  # the standby dies meanwhile
     h.step(0.25, 2)
     gpu.releasing = False
