@@ -61,11 +61,10 @@ from qwen4090.standby import Ask, Keeper, Step
 from qwen4090.states import State
 from qwen4090.steering import Drain, Hold, Refuse, Serve
 from qwen4090.takeover import Takeover
+from qwen4090.telling import Teller
 
 S = State
 
-EXTEND_EVERY = 10.0  # how often EXTEND_TIMEOUT_USEC goes out while a start makes progress
-EXTEND_BY = 60.0  # ... and how far it reaches
 PROGRESS_WINDOW = 120.0  # output or warmup steps within this long count as "making progress"
 # The loop's longest sleep with nothing due, and its tick while it waits for something that has
 # no deadline (a process to end, the GPU to be released); a signal or a job's result wakes it.
@@ -96,7 +95,6 @@ class Supervisor:
         self.crashes = CrashLoop(cfg.restart)  # restarts, history, budget, backoff
         self.failure: ExitVerdict | None = None
         self.restart_at: float | None = None
-        self.ready_notified = False
         self.ready_since: float | None = None
         self.after_stable = False  # the failing run had been READY for restart.stable_after
         self.warmup: WarmupResult | None = None
@@ -104,9 +102,7 @@ class Supervisor:
         self.engine_deaths: deque[tuple[object, str]] = deque()  # pipe readers: (child, line)
         self.signals: deque[int] = deque() if signals is None else signals
         self.moved = False  # the last step changed the state: the next one is due at once
-        self.last_watchdog = -1e18
-        self.last_extend = -1e18
-        self.last_status = ""
+        self.tell = Teller(parts.notifier, parts.listeners, self.log)  # systemd, listeners
         self.port = PortGuard(self.log)  # vLLM's port while another process holds it
         # the standby engine and its builds (issue 21; standby.py)
         self.keeper = Keeper(cfg.restart.standby if cfg.front.enabled else "off", self.log,
@@ -114,7 +110,7 @@ class Supervisor:
                              lambda fn: self.p.executor.submit(fn), parts.clock, self.engines,
                              since=now)
         # the takeover of the failure being handled (RESTARTING's sub-state; takeover.py)
-        self.takeover = Takeover(self.engines, self.keeper, self.log, self.emit)
+        self.takeover = Takeover(self.engines, self.keeper, self.log, self.tell.emit)
         # A look that found no file descriptor (fdlimit.py): said once per burst, and the
         # preflight that could not look runs again at look_again_at, not counted.
         self.pressure = fdlimit.PRESSURE
@@ -226,7 +222,7 @@ class Supervisor:
         """Facts for status output (JSON-friendly): /status, `qwen4090 status`, the page."""
         now = self.p.clock()
         snap = statusline.snapshot(self.facts(now), [asdict(r) for r in self.crashes.history],
-                                   self.last_status)
+                                   self.tell.last_status)
         snap["standby"] = self.keeper.status(now)
         snap["engines"] = self.engines.phases()  # the table: every row's role, phase, pid
         return snap
@@ -252,7 +248,7 @@ class Supervisor:
                 run.begin_kill(now, self.cfg.stop.term_timeout)
             return
         serving = self.state in states.SERVING_STATES
-        self.notify_stopping(f"stopping: {why}")
+        self.tell.stopping(f"stopping: {why}")
         self.transition(now, S.STOPPING, why)
         self.p.front.command(Drain())
         self.takeover.end()
@@ -273,15 +269,13 @@ class Supervisor:
         """
         if self.done or self.state == S.STOPPING:
             return
-        announce = self.ready_notified
-        if announce:
-            self.p.notifier.reloading()
+        announce = self.tell.reloading()
         try:
             new = self.p.load_config()
         except ConfigError as e:
             self.log.error("reload_refused", error=str(e), keeping=",".join(self.cfg.sources))
             if announce:
-                self.p.notifier.ready(self.status_line(now, note="reload refused: " + str(e)))
+                self.tell.reloaded(self.status_line(now, note="reload refused: " + str(e)))
             return
         # The keys the schema says a reload refuses (config.REFUSE): the front's own address
         # and vLLM's behind it are bound for the daemon's life; the client address only while
@@ -295,8 +289,8 @@ class Supervisor:
                                                    "restart qwen4090)",
                            keeping=",".join(self.cfg.sources))
             if announce:
-                self.p.notifier.ready(self.status_line(now, note=f"reload refused: {why} "
-                                                                 "needs a restart"))
+                self.tell.reloaded(self.status_line(now, note=f"reload refused: {why} "
+                                                              "needs a restart"))
             return
         changed = changed_sections(self.cfg, new)
         old = self.cfg
@@ -311,14 +305,14 @@ class Supervisor:
             self.run.reconfigure(new, "watch" in changed)
         self.log.info("reloaded", changed=",".join(changed) or "nothing",
                       files=",".join(new.sources))
-        self.emit(Reloaded(tuple(changed)))
+        self.tell.emit(Reloaded(tuple(changed)))
         why = self.relaunch_reason(old, new)
         if why and self.state in states.CHILD_STATES:
             self.log.warning("restart_for_reload", reason=why,
                              old_argv_len=len(old.vllm.command))
             self.fail(now, ExitVerdict(Cause.RELOAD, why, True))
         if announce:  # READY=1 ends the reload (the restart, if any, goes on)
-            self.p.notifier.ready(self.status_line(now))
+            self.tell.reloaded(self.status_line(now))
 
     def relaunch_reason(self, old: Config, new: Config) -> str:
         """The one rule of what a reload restarts (issue 29.5): vLLM restarts iff its next
@@ -340,7 +334,7 @@ class Supervisor:
         while self.reports:
             report = self.reports.popleft()
             if not isinstance(report, str):
-                self.emit(report)
+                self.tell.emit(report)
                 continue
             if self.done or self.state == S.STOPPING:
                 continue  # stopping anyway
@@ -399,7 +393,7 @@ class Supervisor:
             return
         if (rc := run.exited()) is None:
             return
-        self.emit(ChildExitSeen(rc))  # recovery: the timeline's fault mark
+        self.tell.emit(ChildExitSeen(rc))  # recovery: the timeline's fault mark
         # Judged again from the full tail once the group is gone (a surviving EngineCore
         # holds the pipes open: no waiting for them here).
         verdict = self.port.judge(now, self.cfg.restart.port_wait, run.exit_verdict())
@@ -422,22 +416,12 @@ class Supervisor:
             self.fail(now, run.engine_died(line))
 
     def heartbeat(self, now: float) -> None:
-        n = self.p.notifier
-        if n.watchdog_interval and now - self.last_watchdog >= n.watchdog_interval:
-            n.watchdog()
-            self.last_watchdog = now
-        # Before the first READY=1 (and while stopping), systemd's timeouts run: extend them
-        # for as long as vLLM makes visible progress.
-        starting = not self.ready_notified and self.state in (
+        # Before the first READY=1 (and while stopping), systemd's timeouts run: extended for
+        # as long as vLLM makes visible progress.
+        starting = not self.tell.ready_notified and self.state in (
             S.PREFLIGHT, S.STARTING, S.LOADING, S.WARMING, S.RESTARTING)
-        if (starting or self.state == S.STOPPING) and now - self.last_extend >= EXTEND_EVERY \
-                and self.making_progress(now):
-            n.extend_timeout(EXTEND_BY)
-            self.last_extend = now
-        status = self.status_line(now)
-        if status != self.last_status:
-            n.status(status)
-            self.last_status = status
+        self.tell.beat(now, self.status_line(now), lambda: (
+            starting or self.state == S.STOPPING) and self.making_progress(now))
 
     def making_progress(self, now: float) -> bool:
         if self.state in (S.PREFLIGHT, S.RESTARTING, S.STOPPING):
@@ -594,7 +578,7 @@ class Supervisor:
         if (failed := self.run.warmed(res, self.cfg)) is not None:
             self.fail(now, failed)
             return
-        self.emit(WarmedUp(res.seconds, tuple(res.rows)))
+        self.tell.emit(WarmedUp(res.seconds, tuple(res.rows)))
         self.become_ready(now, "warmed up")
 
     def become_ready(self, now: float, why: str) -> None:
@@ -607,16 +591,8 @@ class Supervisor:
         tokens, kv_bytes = run.child.kv_cache()
         if self.p.gpu.remember_kv(run.launch, tokens, kv_bytes):
             self.log.info("kv_budget_recorded", kv_bytes=kv_bytes, kv_tokens=tokens)
-        status = self.status_line(now)
-        if not self.ready_notified:
-            self.p.notifier.ready(status)
-            self.ready_notified = True
+        if self.tell.ready(self.status_line(now)):
             self.log.info("ready_notified", seconds_since_launch=round(now - run.spawned_at, 1))
-        else:
-            # READY=1 went out before this restart; systemd still shows the last STATUS=
-            # ("warming: ...") until we send the new one.
-            self.p.notifier.status(status)
-        self.last_status = status
 
     def serve(self, run: Run) -> None:
         """The serving row changes here and where the front is told to hold, drain or refuse:
@@ -668,7 +644,7 @@ class Supervisor:
                 continue
             assert isinstance(v, Fail)
             if v.event is not None:
-                self.emit(v.event)
+                self.tell.emit(v.event)
             self.fail(now, v.verdict)
             return
 
@@ -732,7 +708,7 @@ class Supervisor:
         v = self.failure
         assert v is not None
         counted = self.crashes.record(now, self.p.wall(), v)
-        self.emit(Restarted(v.cause.value, counted))
+        self.tell.emit(Restarted(v.cause.value, counted))
         if not v.retry:
             code = EX_GPU if v.cause == Cause.GPU_FATAL else EX_CONFIG
             self.give_up(now, code, f"{v.cause.value}: {v.detail}")
@@ -777,7 +753,7 @@ class Supervisor:
             return
         if changes:
             self.log.warning("oom_step_down", changes="; ".join(changes), cause=v.detail)
-            self.emit(SteppedDown(tuple(changes)))
+            self.tell.emit(SteppedDown(tuple(changes)))
         else:
             self.log.error("oom_ladder_exhausted", cause=v.detail,
                            hint="lower vllm.max_model_len / max_num_seqs, or use a smaller "
@@ -889,19 +865,7 @@ class Supervisor:
         self.log.info("state_changed", **{"from": src.value}, to=dst.value, reason=reason,
                       pid=self.child.pid if self.child else None, restarts=self.crashes.restarts,
                       **fields)
-        self.emit(Transition(src, dst, reason))
-
-    def emit(self, event: Event) -> None:
-        for listener in self.p.listeners:
-            try:
-                listener(event)
-            except Exception as e:
-                self.log.error("listener_failed", event_name=type(event).__name__,
-                               error=safe_error(e, where=True))
-
-    def notify_stopping(self, status: str) -> None:
-        self.p.notifier.stopping(status)
-        self.last_status = status
+        self.tell.emit(Transition(src, dst, reason))
 
     def status_line(self, now: float, note: str = "") -> str:
         """The one line systemctl status shows (STATUS=)."""

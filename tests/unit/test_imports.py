@@ -50,7 +50,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # the typed GPU part: launch, preflight, step-down and the watch, over one door
     "gpu": ("gpu", "xid"),
     # the contracts of the parts the supervisor drives (protocols, do-nothing parts, Parts)
-    "contracts": ("contracts", "statusline"),
+    "contracts": ("contracts", "statusline", "telling"),
     # the engines: one vLLM run and its judges' verdicts, the standby's keeper, the port guard
     "engines": ("run", "engines", "standby", "takeover", "portguard"),
     # the daemon's state machine

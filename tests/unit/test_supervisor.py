@@ -505,7 +505,7 @@ def test_drain_waits_for_the_fronts_requests_though_the_gauges_read_zero() -> No
     h.step(0.5, n=20)
     assert h.sup.state == State.STOPPING and h.child.signals == []
     assert "drained" not in h.log.names()
-    assert "draining: 8 in flight" in h.sup.last_status
+    assert "draining: 8 in flight" in h.sup.tell.last_status
     front.in_flight = 0
     h.step(0.5)
     assert h.child.signals[:1] == [signal.SIGTERM]
