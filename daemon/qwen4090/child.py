@@ -392,7 +392,7 @@ def spawn(argv: Sequence[str], cfg: Config, on_line: LineSink,
           | None = None,
           on_engine_dead: Callable[[VllmChild, str], None] = lambda child, line: None
           ) -> VllmChild:
-    """vLLM with ``argv`` (launch.Launch.argv: rendered once, by the launch's resolver) and
+    """vLLM with ``argv`` (launchvalue.Launch.argv: rendered once, by the launch's resolver) and
     ``cfg``'s environment: a new process, or the one ``take`` hands over (preimport.py)."""
     env = os.environ if env is None else env
     key = read_api_key(cfg.vllm, env)

@@ -30,6 +30,7 @@ from qwen4090 import (
     httpapi,
     instance,
     launch,
+    launchvalue,
     logs,
     plancmd,
     preimport,
@@ -37,6 +38,7 @@ from qwen4090 import (
     readahead,
     signals,
     statuscmd,
+    steptime,
     timeline,
     warmup,
 )
@@ -46,7 +48,7 @@ from qwen4090.config import Config, ConfigError
 from qwen4090.contracts import FrontLike, LogLike, NoFront, Parts
 from qwen4090.events import Event, Listener, Reloaded
 from qwen4090.gpu import GpuParts
-from qwen4090.launch import Launch
+from qwen4090.launchvalue import Launch
 from qwen4090.notify import Notifier
 from qwen4090.policy import EX_CONFIG, EX_SOFTWARE, EX_TEMPFAIL, EXIT_CODES
 from qwen4090.probes.http import VllmProbe
@@ -81,7 +83,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     print(f"  model    {v.model} (served as {v.served_model_name}) on {v.host}:{v.port}")
     if cfg.front.enabled:
         print(f"  front    clients on {v.host}:{v.port}, vLLM on "
-              f"{launch.engine_endpoint(cfg)}, requests held up to "
+              f"{launchvalue.engine_endpoint(cfg)}, requests held up to "
               f"{cfg.front.hold_timeout:g}s")
     print(f"  limits   max_model_len={v.max_model_len} max_num_seqs={v.max_num_seqs} "
           f"max_num_batched_tokens={v.max_num_batched_tokens} "
@@ -237,6 +239,7 @@ def serve_with(args: argparse.Namespace, cfg: Config, log: LogLike, inst: instan
         executor=ThreadRunner(wake.wake),
         log=log,
         front=door,
+        step_times=steptime.StepTimes(log),
     )
     sup = Supervisor(cfg, parts, signals=pending)
     parts.listeners += [watch]
@@ -274,7 +277,7 @@ def open_front(cfg: Config, log: LogLike, extend: Callable[[float], object],
     if not cfg.front.enabled:
         return NoFront()
     v = cfg.vllm
-    at = launch.engine_endpoint(cfg)
+    at = launchvalue.engine_endpoint(cfg)
     door = front.Front((v.host, v.port), (at.host, at.port),
                        front_limits(cfg), log, key=child.read_api_key(v, os.environ))
     until = time.monotonic() + cfg.restart.port_wait

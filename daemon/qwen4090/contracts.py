@@ -4,9 +4,9 @@ The supervisor imports no subprocess, socket, HTTP or NVML code: everything that
 machine comes in through :class:`Parts`, whose fields are typed by the Protocols here.  The
 real parts are built by cli.py (the composition root); the unit tests hand in fakes
 (tests/support/fakes.py).  What the parts answer is in results.py, what vLLM is launched with
-in launch.py (the Launch value and its pure resolver); this module imports no part itself
-(tests/unit/test_imports.py: importing the supervisor loads no aiohttp, subprocess, socket,
-HTTP client, psutil or NVML).
+in launchvalue.py (the Launch value; its resolver, launch.py, is the GPU part's); this module
+imports no part itself (tests/unit/test_imports.py: importing the supervisor loads no aiohttp,
+subprocess, socket, HTTP client, psutil or NVML, and at most SUPERVISOR_MODULES of ours).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from qwen4090.config import Config
 if TYPE_CHECKING:  # (frontlimits imports aiohttp's parser errors: never at run time here)
     from qwen4090.frontlimits import Limits
 from qwen4090.events import Listener
-from qwen4090.launch import Endpoint, Launch, configured
+from qwen4090.launchvalue import Endpoint, Launch
 from qwen4090.policy import ExitVerdict
 from qwen4090.results import (
     FrontSample,
@@ -103,7 +103,7 @@ class ExecutorLike(Protocol):
 
 
 class GpuLike(Protocol):
-    """The one door to the GPU (gpu.GpuParts; :class:`NoGpu` where there is none).
+    """The one door to the GPU (gpu.GpuParts; the unit tests' fakes.NoGpu does nothing).
 
     Before a launch: what it is launched with (launch.py) and every check before it; between a
     stop and the relaunch: who still holds GPU memory; and the store of what a start teaches —
@@ -111,6 +111,9 @@ class GpuLike(Protocol):
     one rung down the OOM ladder after an OOM.  The supervisor calls these; nothing else does.
     """
 
+    # The launch as configured, nothing learned, planned or remembered, and no I/O
+    # (launch.configured): the supervisor's until its first preflight resolves one.
+    def configured(self, cfg: Config) -> Launch: ...
     # ``beside``: the endpoint another engine listens on (a standby beside the serving one)
     def launch(self, cfg: Config, beside: Endpoint | None = None) -> Launch: ...
     def preflight(self, chosen: Launch) -> PreflightResult: ...
@@ -128,31 +131,23 @@ class GpuLike(Protocol):
                   ) -> list[str] | None: ...
 
 
-class NoGpu:
-    """The do-nothing GPU part: the launch as configured, no checks, no ladder, nothing
-    remembered, nothing ever held (the state machine's tests; cli.py always builds GpuParts,
-    which also runs the checks that need no GPU)."""
+class StepTimesLike(Protocol):
+    """The longest engine step the warmup measured, kept in the config's state directory
+    (steptime.StepTimes; steptime.py says why it is held against watch.hang_timeout)."""
 
-    def launch(self, cfg: Config, beside: Endpoint | None = None) -> Launch:
-        return configured(cfg, beside)
+    # Keep this measurement for cfg's settings: True when it is on disk.
+    def record(self, cfg: Config, seconds: float, tokens: int) -> bool: ...
+    # The seconds of the longest step measured with cfg's settings (None: none).
+    def measured(self, cfg: Config) -> float | None: ...
 
-    def preflight(self, chosen: Launch) -> PreflightResult:
-        return PreflightResult()
 
-    def held(self, device: int, pids: list[int]) -> str | None:
-        return None
+class NoStepTimes:
+    """Nothing measured, nothing kept (the state machine's tests; cli.py builds StepTimes)."""
 
-    def room(self, device: int, fraction: float) -> bool | None:
-        return None
-
-    def remember_kv(self, launched: Launch, tokens: int | None, kv_bytes: int | None) -> bool:
+    def record(self, cfg: Config, seconds: float, tokens: int) -> bool:
         return False
 
-    def forget_kv(self, launched: Launch) -> bool:
-        return False
-
-    def step_down(self, launched: Launch, cfg: Config, verdict: ExitVerdict, tail: list[str]
-                  ) -> list[str] | None:
+    def measured(self, cfg: Config) -> float | None:
         return None
 
 
@@ -223,11 +218,14 @@ class Parts:
     notifier: NotifierLike
     executor: ExecutorLike
     log: LogLike
+    # No do-nothing default: that one (tests/support/fakes.NoGpu) needs launch.py's resolver,
+    # which the supervisor must not load (issue 29).
+    gpu: GpuLike
     clock: Callable[[], float] = time.monotonic
     wall: Callable[[], float] = time.time
     rand: random.Random = field(default_factory=random.Random)
     # Told of transitions, restarts, warmups, hangs, samples and reloads (events.py).
     listeners: list[Listener] = field(default_factory=list)
-    gpu: GpuLike = field(default_factory=NoGpu)
+    step_times: StepTimesLike = field(default_factory=NoStepTimes)
     ports: PortsLike = field(default_factory=UncheckedPorts)
     front: FrontLike = field(default_factory=NoFront)

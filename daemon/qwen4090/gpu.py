@@ -22,7 +22,7 @@ import psutil
 from qwen4090 import derived, kvbudget, ladder, learned, plan, preflight, xid
 from qwen4090 import launch as launch_mod
 from qwen4090.config import AUTO, Config
-from qwen4090.launch import Endpoint, Launch
+from qwen4090.launchvalue import Endpoint, Launch
 from qwen4090.policy import ExitVerdict
 from qwen4090.probes import nvml
 from qwen4090.results import PreflightResult
@@ -151,6 +151,11 @@ class GpuParts:
             self.watch = None
 
     # --- before each launch -----------------------------------------------------------------
+
+    def configured(self, cfg: Config) -> Launch:
+        """The launch as configured (launch.configured): no facts read, so the supervisor has
+        one from its start, before the first preflight resolves the real one."""
+        return launch_mod.configured(cfg)
 
     def launch(self, cfg: Config, beside: Endpoint | None = None) -> Launch:
         """What the next vLLM is launched with (launch.py, on this machine's facts); its

@@ -49,7 +49,7 @@ import psutil
 from qwen4090 import atomicfile, fdlimit, learned
 from qwen4090.child import tcp_connections
 from qwen4090.config import Config, ConfigError
-from qwen4090.launch import Launch, engine_endpoints
+from qwen4090.launchvalue import Launch, engine_endpoints
 from qwen4090.results import PortOwner
 from qwen4090.vllmfacts import WILDCARDS
 

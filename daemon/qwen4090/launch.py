@@ -11,22 +11,24 @@ fingerprint and the same argv.  Each step works on the result of the one before:
 4. sleep mode (``restart.standby = "sleep"``): every engine may sleep (the standby, and the
    serving engine while a new standby starts);
 5. the fixed KV budget of the last good start (``restart.fixed_kv_budget``, kvbudget.py);
-6. the engine's address (:attr:`Launch.engine`): with the front off, the client address
-   (``vllm.host:vllm.port``); behind the front, one of the two loopback engine ports
-   (``front.engine_port`` and the one above it), the one no other engine listens on.
+6. the engine's address (:attr:`Launch.engine`, launchvalue.engine_endpoint): with the front
+   off, the client address (``vllm.host:vllm.port``); behind the front, one of the two
+   loopback engine ports (``front.engine_port`` and the one above it), the one no other engine
+   listens on.
 
 The config in a Launch keeps the client address: only the Launch's ``engine`` and its argv say
 where vLLM listens, and the probes, the port checks and the child record read it there.
 
 :func:`resolve` is pure (facts in, a :class:`Launch` out); :func:`read_facts` does the I/O.
-The commands that show and reset what a launch gets, ``plan`` and ``reset-learned``, are
-plancmd.py's.
+The value it makes (Launch, Endpoint, where engines may listen, what a relaunch changes) is
+launchvalue.py's, apart from this resolver so that what only holds a Launch (the supervisor,
+its runs, the parts' contracts) loads none of learned, kvbudget and runtime.  The commands
+that show and reset what a launch gets, ``plan`` and ``reset-learned``, are plancmd.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,29 +36,12 @@ from typing import Any
 
 from qwen4090 import kvbudget, learned, plan, runtime
 from qwen4090.config import AUTO, Config, VllmConfig
-from qwen4090.plan import GpuMemory, ModelFacts, Plan
-from qwen4090.vllmfacts import host_port
+from qwen4090.launchvalue import Endpoint, Launch, Origin, Setting, engine_endpoint
+from qwen4090.plan import GpuMemory, ModelFacts
 
 # The limits a launch may get from somewhere other than the config.
 LIMIT_KEYS = learned.KEYS
 KV_KEY = "kv_cache_memory_bytes"
-
-
-class Origin(enum.Enum):
-    CONFIGURED = "configured"
-    PLAN = "auto"  # "auto" chosen by the KV-cache plan
-    LEARNED = "learned"  # an OOM limit learned from an earlier restart
-    KV_BUDGET = "kv budget"  # the fixed KV budget of the last good start
-
-
-@dataclass(frozen=True)
-class Setting:
-    value: object
-    origin: Origin
-    why: str = ""
-
-    def as_json(self) -> dict[str, object]:
-        return {"value": self.value, "source": self.origin.value, "why": self.why}
 
 
 @dataclass(frozen=True)
@@ -68,38 +53,6 @@ class Facts:
     learned: Mapping[str, Any] = field(default_factory=dict)  # learned.json
     kv_budget: Mapping[str, Any] = field(default_factory=dict)  # kv_budget.json
     runtime: str = ""  # "vllm 0.26.0" of vllm.command's venv (the KV budget belongs to it)
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """Where one engine listens."""
-
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return host_port(self.host, self.port)
-
-
-@dataclass(frozen=True)
-class Launch:
-    config: Config  # what vLLM is launched with: every setting final (vllm.host/port: clients')
-    argv: tuple[str, ...]  # its command line (child.render_argv of config.vllm at engine)
-    engine: Endpoint  # where this engine listens (engine_endpoint)
-    settings: dict[str, Setting]  # LIMIT_KEYS (+ KV_KEY when given): value and origin
-    gpu: GpuMemory | str  # the one GPU description; a str says why there is none
-    fingerprint: dict[str, Any]  # what learned settings belong to
-    kv_base: dict[str, Any] = field(default_factory=dict)  # ... and the KV budget (+ runtime)
-    plan: Plan | None = None
-    no_plan: str = ""  # why there is no plan (when the GPU is known)
-    learned: tuple[str, ...] = ()  # one line per learned value applied or ignored
-    kv_budget: int | None = None  # --kv-cache-memory-bytes given to this launch
-    kv_note: str | None = None  # the budget given, or why the remembered one was not
-    runtime: str = ""  # "vllm 0.26.0": what vllm.command's venv held at the launch
-
-    @property
-    def gpu_name(self) -> str:
-        return self.gpu.name if isinstance(self.gpu, GpuMemory) else "none"
 
 
 def fingerprint(cfg: Config, gpu: GpuMemory | str) -> dict[str, Any]:
@@ -145,24 +98,6 @@ def read_model(cfg: Config) -> ModelFacts | str:
 def configured(cfg: Config, beside: Endpoint | None = None) -> Launch:
     """The launch as configured, nothing learned, planned or remembered (no GPU part)."""
     return resolve(cfg, Facts("no GPU part", "no GPU part"), beside)
-
-
-def engine_endpoints(cfg: Config) -> tuple[Endpoint, ...]:
-    """Where engines may listen.  With the front off, the client address: one engine, no
-    standby.  Behind the front, two loopback ports that the serving engine and a standby take
-    in turn (after a failover the standby serves on its own port; the next one starts on the
-    other)."""
-    if not cfg.front.enabled:
-        return (Endpoint(cfg.vllm.host, cfg.vllm.port),)
-    port = cfg.front.engine_port
-    return Endpoint("127.0.0.1", port), Endpoint("127.0.0.1", port + 1)
-
-
-def engine_endpoint(cfg: Config, beside: Endpoint | None = None) -> Endpoint:
-    """The endpoint of an engine started while ``beside`` listens (a standby beside the
-    serving engine); None: the first, where a serving engine starts when no other runs."""
-    ends = engine_endpoints(cfg)
-    return next((e for e in ends if e != beside), ends[0])
 
 
 def resolve(cfg: Config, facts: Facts, beside: Endpoint | None = None) -> Launch:
@@ -218,7 +153,7 @@ def with_sleep_mode(cfg: Config) -> Config:
 
 def render_argv(v: VllmConfig, at: tuple[str, int] | None = None) -> list[str]:
     """The vLLM command line for a config: a list, never a shell string, never a secret.
-    ``at``: where this engine listens (launch.Launch.engine), when not ``v``'s own address
+    ``at``: where this engine listens (Launch.engine), when not ``v``'s own address
     (behind the front, a loopback port of the engines' own)."""
     host, port = at if at is not None else (v.host, v.port)
     argv = [*v.command, "--model", v.model, "--served-model-name", v.served_model_name,
@@ -248,32 +183,3 @@ def _changed(before: Config, after: Config) -> list[str]:
     if before is after:
         return []
     return [k for k in LIMIT_KEYS if getattr(before.vllm, k) != getattr(after.vllm, k)]
-
-
-def relaunch_changes(a: Launch, b: Launch) -> str:
-    """What launching ``b`` instead of ``a`` changes for vLLM: the flags of its command line
-    that differ, its environment ([vllm] env, the API key file); "" when nothing (the one rule
-    of what a reload restarts: Supervisor.relaunch_reason)."""
-    out: list[str] = []
-    if a.argv != b.argv:
-        fa, fb = _flags(a.argv), _flags(b.argv)
-        flags = [f"{k} {fa.get(k, '(none)')} -> {fb.get(k, '(none)')}"
-                 for k in sorted({*fa, *fb}) if fa.get(k) != fb.get(k)]
-        out += flags or ["vLLM's command line"]
-    va, vb = a.config.vllm, b.config.vllm
-    if va.env != vb.env:
-        out.append("vllm.env")
-    if va.api_key_file != vb.api_key_file:
-        out.append("vllm.api_key_file")
-    return ", ".join(out)
-
-
-def _flags(argv: tuple[str, ...]) -> dict[str, str]:
-    """``--flag value`` (or a bare ``--flag``: "on") pairs of a command line, for a message."""
-    out: dict[str, str] = {}
-    for i, arg in enumerate(argv):
-        if arg.startswith("--"):
-            nxt = argv[i + 1] if i + 1 < len(argv) else ""
-            value = nxt if nxt and not nxt.startswith("--") else "on"
-            out[arg] = f"{out[arg]} {value}" if arg in out else value
-    return out

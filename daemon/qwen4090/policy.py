@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from qwen4090 import vllmfacts as vf
-from qwen4090.config import RestartConfig
+from qwen4090.config import Config, RestartConfig
 
 EX_OK = 0
 EX_GPU = 69  # EX_UNAVAILABLE: a fatal Xid; the GPU needs a reset or a reboot, not retried
@@ -395,6 +395,23 @@ def canary_counts(ok: bool, timed_out: bool, before: float | None, after: float 
 
 
 # --- warmup under client load (issue 18.4) --------------------------------------------------
+
+# A warmup step's threads are given up this long after their requests' timeout (warmup.py).
+WARMUP_JOIN_GRACE = 5.0
+# What the warmup may take beyond warmup.timeout + request_timeout: one step's join grace, and
+# its two /metrics looks (each watch.health_timeout) with the same again as slack.
+WARMUP_OVERRUN_LOOKS = 4
+
+
+def warmup_bound(cfg: Config) -> float:
+    """The longest a warmup can take: a step starts only before warmup.timeout, lasts at most
+    request_timeout + WARMUP_JOIN_GRACE, and has its /metrics looks.  The warmup keeps within
+    it (warmup.py) and the supervisor's WARMING limit is it (run.Run.start_step): a warmup that
+    is still making progress has returned by then.  Here, not in warmup.py, so that the run
+    that judges the warmup loads none of the warmup's machinery (issue 29)."""
+    w = cfg.warmup
+    return (w.timeout + w.request_timeout + WARMUP_JOIN_GRACE
+            + WARMUP_OVERRUN_LOOKS * cfg.watch.health_timeout)
 
 
 def warmup_request_wait(request_timeout: float, left: float, hang_timeout: float,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qwen4090.contracts import LogLike, PortsLike
-from qwen4090.launch import Endpoint
+from qwen4090.launchvalue import Endpoint
 from qwen4090.policy import Cause, ExitVerdict
 
 PORT_RETRY = 1.0  # while vLLM's port is held: how often we look again

@@ -23,7 +23,7 @@ from qwen4090 import configrisk, fdlimit, steptime
 from qwen4090.child import api_key_path
 from qwen4090.config import Config, ConfigError, read_secret
 from qwen4090.instance import port_holders, try_bind
-from qwen4090.launch import Endpoint
+from qwen4090.launchvalue import Endpoint
 from qwen4090.policy import hang_timeout_risk
 from qwen4090.results import PreflightResult
 from qwen4090.runtime import version_warning

@@ -24,12 +24,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from qwen4090 import fdlimit, steptime, vllmfacts, warmup
+from qwen4090 import fdlimit, vllmfacts
 from qwen4090.config import Config, WatchConfig
-from qwen4090.contracts import ChildLike, LogLike, PortsLike
+from qwen4090.contracts import ChildLike, LogLike, PortsLike, StepTimesLike
 from qwen4090.events import HangSeen
 from qwen4090.judges import Drain, KillSchedule, ServingSchedule
-from qwen4090.launch import Launch
+from qwen4090.launchvalue import Launch
 from qwen4090.policy import (
     Cause,
     ExitVerdict,
@@ -39,6 +39,7 @@ from qwen4090.policy import (
     classify_exit,
     engine_dead_verdict,
     hang_timeout_risk,
+    warmup_bound,
 )
 from qwen4090.redact import safe_error
 from qwen4090.results import (
@@ -249,7 +250,7 @@ class Run:
         w = cfg.watch
         if self.phase is Phase.WARMING:
             # the warmup's own bound: one that is still making progress has returned by then
-            limit = warmup.bound(cfg)
+            limit = warmup_bound(cfg)
             if Job.WARMUP in self.tasks and now - self.warmup_started > limit:
                 return [Fail(ExitVerdict(Cause.WARMUP_FAILED, f"warmup overran {limit:g}s",
                                          True))]
@@ -282,9 +283,10 @@ class Run:
         # a warmup request that finds no file descriptor is sent again, not a failed warmup
         self.submit(now, Job.WARMUP, lambda: warmup(cfg, Patient(probe), progress))
 
-    def warmed(self, res: WarmupResult, cfg: Config) -> ExitVerdict | None:
+    def warmed(self, res: WarmupResult, cfg: Config, step_times: StepTimesLike
+               ) -> ExitVerdict | None:
         """The warmup's result, said in the journal: a failure's verdict, or None (READY).
-        The longest engine step it measured is kept in the state directory (steptime.py) and
+        The longest engine step it measured is kept in ``step_times`` (steptime.py) and
         held against watch.hang_timeout; a warmup cut short by clients' requests is an OK
         one (issue 18.4), said with why."""
         if not res.ok:
@@ -300,26 +302,27 @@ class Run:
                       longest_step_tokens=step[1] if step else None)
         if step is not None:
             self.longest_step = step[0]
-            steptime.StepStore.of(cfg, self.log).record(cfg, *step)
-        self.check_hang_timeout(cfg)
+            step_times.record(cfg, *step)
+        self.check_hang_timeout(cfg, step_times)
         return None
 
-    def check_hang_timeout(self, cfg: Config) -> None:
+    def check_hang_timeout(self, cfg: Config, step_times: StepTimesLike) -> None:
         """Warn when watch.hang_timeout is below a safe multiple of the longest engine step
         (this run's warmup measured it, else the last one on disk for these settings)."""
         step = self.longest_step
         if step is None:
-            step = steptime.StepStore.of(cfg, self.log).measured(cfg)
+            step = step_times.measured(cfg)
         if (risk := hang_timeout_risk(cfg.watch.hang_timeout, step)) is not None:
             self.log.warning("hang_timeout_too_short", hang_timeout=cfg.watch.hang_timeout,
                              longest_step_seconds=round(step or 0.0, 3), detail=risk)
 
-    def reconfigure(self, cfg: Config, watch_changed: bool) -> None:
+    def reconfigure(self, cfg: Config, watch_changed: bool, step_times: StepTimesLike
+                    ) -> None:
         """A reload: the hang detector takes the new [watch] (the stall being timed goes on),
         held against the longest step when [watch] changed."""
         self.serving.hang.reconfigure(cfg.watch.hang_timeout, cfg.watch.poll_interval)
         if watch_changed:
-            self.check_hang_timeout(cfg)
+            self.check_hang_timeout(cfg, step_times)
 
     def became_ready(self, now: float) -> None:
         """The watch starts over: a stall timed before READY (a start, a sleep) is not this

@@ -29,7 +29,7 @@ from typing import Any
 from qwen4090.config import Config
 from qwen4090.contracts import ChildLike, LogLike
 from qwen4090.engines import Engines
-from qwen4090.launch import Launch
+from qwen4090.launchvalue import Launch
 from qwen4090.policy import Cause, ExitVerdict
 from qwen4090.redact import safe_error
 from qwen4090.results import CompletionResult, FrontSample, HealthResult, Patient, ProbeLike

@@ -76,3 +76,17 @@ class StepStore:
                 "time": round(self.wall(), 3), "settings": settings(cfg)}
         return self.state.write(data, "the longest engine step",
                                 "check-config cannot hold watch.hang_timeout against it")
+
+
+class StepTimes:
+    """The supervisor's part (contracts.StepTimesLike, Parts.step_times): the store of the
+    config it is given at each call, since a reload may move the state directory."""
+
+    def __init__(self, log: Any = LOG) -> None:
+        self.log = log
+
+    def record(self, cfg: Config, seconds: float, tokens: int) -> bool:
+        return StepStore.of(cfg, self.log).record(cfg, seconds, tokens)
+
+    def measured(self, cfg: Config) -> float | None:
+        return StepStore.of(cfg, self.log).measured(cfg)

@@ -35,7 +35,7 @@ from qwen4090.events import (
     Transition,
     WarmedUp,
 )
-from qwen4090.launch import Launch, configured, engine_endpoint, relaunch_changes
+from qwen4090.launchvalue import Launch, engine_endpoint, relaunch_changes
 from qwen4090.policy import (
     EX_CONFIG,
     EX_GPU,
@@ -90,8 +90,8 @@ class Supervisor:
         self.state_since = now
         self.state_reason = "start"
         self.exit_code: int | None = None
-        self.engines = Engines(now, parts.log)  # every vLLM process group, a row each (engines.py)
-        self.launch = configured(cfg)  # what the last vLLM ran with, and why (launch.py)
+        self.engines = Engines(now, parts.log)  # every vLLM process group, a row each
+        self.launch = parts.gpu.configured(cfg)  # what the last vLLM ran with, and why
         self.crashes = CrashLoop(cfg.restart)  # restarts, history, budget, backoff
         self.failure: ExitVerdict | None = None
         self.restart_at: float | None = None
@@ -302,7 +302,7 @@ class Supervisor:
                                 self.cfg.stop.term_timeout)
             self.keeper.set_mode(mode, now)
         if self.run is not None:
-            self.run.reconfigure(new, "watch" in changed)
+            self.run.reconfigure(new, "watch" in changed, self.p.step_times)
         self.log.info("reloaded", changed=",".join(changed) or "nothing",
                       files=",".join(new.sources))
         self.tell.emit(Reloaded(tuple(changed)))
@@ -575,7 +575,7 @@ class Supervisor:
             return
         self.warmup = res
         assert self.run is not None
-        if (failed := self.run.warmed(res, self.cfg)) is not None:
+        if (failed := self.run.warmed(res, self.cfg, self.p.step_times)) is not None:
             self.fail(now, failed)
             return
         self.tell.emit(WarmedUp(res.seconds, tuple(res.rows)))

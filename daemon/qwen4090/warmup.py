@@ -10,7 +10,8 @@ requests as soon as it listens, and the warmup's queue behind them.  The warmup 
 progress counter (/metrics) before each step: a request that times out while the counter moved
 was queued behind work, so the engine is busy, not broken, and the warmup ends OK with the
 remaining steps skipped (``cut_short`` says why); with clients already queued a request waits
-at most watch.hang_timeout (policy.warmup_request_wait).  Nothing here outlasts :func:`bound`.
+at most watch.hang_timeout (policy.warmup_request_wait).  Nothing here outlasts
+policy.warmup_bound (the supervisor's WARMING limit).
 
 The warmup also times the longest engine step the settings allow (issue 18.5): a prefill of
 max_num_batched_tokens tokens when chunked prefill is on (a step of its own when the lengths
@@ -28,16 +29,17 @@ from dataclasses import dataclass
 
 from qwen4090 import vllmfacts
 from qwen4090.config import AUTO, Config
-from qwen4090.policy import queued_behind_work, serving_clients, warmup_request_wait
+from qwen4090.policy import (
+    WARMUP_JOIN_GRACE,
+    queued_behind_work,
+    serving_clients,
+    warmup_request_wait,
+)
 from qwen4090.redact import safe_error
 from qwen4090.results import CompletionResult, MetricsResult, ProbeLike, WarmupResult, WarmupRow
 from qwen4090.vllmfacts import RUNNING, WAITING
 
 TOKEN_ID_RANGE = (100, 1000)  # ids below 1000 exist in every tokenizer we serve
-JOIN_GRACE = 5.0  # a step's threads are given up this long after their requests' timeout
-# What the warmup may take beyond warmup.timeout + request_timeout: one step's JOIN_GRACE, and
-# its two /metrics looks (each watch.health_timeout) with the same again as slack.
-OVERRUN_LOOKS = 4
 
 
 @dataclass(frozen=True)
@@ -59,14 +61,6 @@ def step_length(cfg: Config) -> int | None:
     if isinstance(v.max_model_len, int):
         n = min(n, v.max_model_len - cfg.warmup.max_tokens)
     return n if n >= 1 else None
-
-
-def bound(cfg: Config) -> float:
-    """The longest a warmup can take: a step starts only before warmup.timeout, lasts at most
-    request_timeout + JOIN_GRACE, and has its /metrics looks (the supervisor's WARMING limit:
-    a warmup that is still making progress has returned by then)."""
-    w = cfg.warmup
-    return w.timeout + w.request_timeout + JOIN_GRACE + OVERRUN_LOOKS * cfg.watch.health_timeout
 
 
 def plan_steps(cfg: Config) -> tuple[list[WarmupStep], list[str]]:
@@ -134,7 +128,7 @@ def run(cfg: Config, probe: ProbeLike, on_progress: Callable[[str], None] | None
         def one(prompt: list[int], t: float = timeout) -> CompletionResult:
             return probe.complete(prompt, w.max_tokens, t)
 
-        outs = _parallel(one, prompts, timeout + JOIN_GRACE)
+        outs = _parallel(one, prompts, timeout + WARMUP_JOIN_GRACE)
         bad = [o for o in outs if not o.ok]
         if bad:
             after = probe.metrics(look)

@@ -7,8 +7,10 @@ import signal
 from concurrent.futures import Future
 from typing import Any
 
-from qwen4090.contracts import NoGpu
-from qwen4090.launch import Launch
+from qwen4090.config import Config
+from qwen4090.launch import configured
+from qwen4090.launchvalue import Endpoint, Launch
+from qwen4090.policy import ExitVerdict
 from qwen4090.probes.http import (
     GENERATION_TOKENS,
     RUNNING,
@@ -202,6 +204,38 @@ class Notifier:
     def reloading(self) -> bool:
         self.sent.append("RELOADING=1")
         return True
+
+
+class NoGpu:
+    """The do-nothing GPU part: the launch as configured, no checks, no ladder, nothing
+    remembered, nothing ever held (the state machine's tests; cli.py always builds GpuParts,
+    which also runs the checks that need no GPU).  Not in contracts.py beside the other
+    do-nothing parts: it needs launch.py's resolver, which the supervisor must not load."""
+
+    def configured(self, cfg: Config) -> Launch:
+        return configured(cfg)
+
+    def launch(self, cfg: Config, beside: Endpoint | None = None) -> Launch:
+        return configured(cfg, beside)
+
+    def preflight(self, chosen: Launch) -> PreflightResult:
+        return PreflightResult()
+
+    def held(self, device: int, pids: list[int]) -> str | None:
+        return None
+
+    def room(self, device: int, fraction: float) -> bool | None:
+        return None
+
+    def remember_kv(self, launched: Launch, tokens: int | None, kv_bytes: int | None) -> bool:
+        return False
+
+    def forget_kv(self, launched: Launch) -> bool:
+        return False
+
+    def step_down(self, launched: Launch, cfg: Config, verdict: ExitVerdict, tail: list[str]
+                  ) -> list[str] | None:
+        return None
 
 
 class CheckedGpu(NoGpu):

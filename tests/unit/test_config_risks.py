@@ -17,7 +17,7 @@ import pytest
 
 from qwen4090 import config, configrisk, preflight
 from qwen4090.cli import main
-from qwen4090.launch import engine_endpoint
+from qwen4090.launchvalue import engine_endpoint
 
 
 def resolving(*names: str) -> list[str]:

@@ -26,7 +26,7 @@ from test_supervisor import Harness
 from tests.support.fakes import FakeFront, Log
 
 import qwen4090
-from qwen4090 import fdlimit, launch, preflight
+from qwen4090 import fdlimit, launchvalue, preflight
 from qwen4090.config import from_dict
 from qwen4090.policy import Cause
 from qwen4090.results import CompletionResult, HealthResult, MetricsResult, PreflightResult
@@ -241,7 +241,7 @@ def test_the_looks_of_one_burst_are_said_once(looks: dict[str, Any]) -> None:
 
 def test_check_port_and_the_key_file_each_say_unseen() -> None:
     cfg = from_dict({})
-    at = launch.engine_endpoint(cfg)
+    at = launchvalue.engine_endpoint(cfg)
     for check in (lambda c, r: preflight.check_port(c, r, at), preflight.check_api_key):
         def no_file(c: Any, r: PreflightResult) -> None:
             raise OSError(errno.ENFILE, "Too many open files in system")

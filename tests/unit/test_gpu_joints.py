@@ -26,7 +26,7 @@ from tests.support.runtime import free_port
 
 from qwen4090 import cli, gpu
 from qwen4090.config import Config
-from qwen4090.launch import Launch
+from qwen4090.launchvalue import Launch
 from qwen4090.policy import Cause
 from qwen4090.probes import nvml
 from qwen4090.results import PreflightResult
@@ -314,7 +314,8 @@ def test_daemon_and_plan_resolve_the_same_launch(
     the launch its supervisor spawns and `qwen4090 plan` agree: same argv, same fingerprint,
     and each limit from the same place."""
     from qwen4090.config import load, tomllib
-    from qwen4090.launch import KV_KEY, Origin, render_argv
+    from qwen4090.launch import KV_KEY, render_argv
+    from qwen4090.launchvalue import Origin
     from qwen4090.policy import classify_exit
 
     py = fake_venv(tmp_path / "venv") if source == "nvml" else Path(sys.executable)
@@ -368,7 +369,7 @@ def test_with_the_gpu_off_plan_shows_the_account_but_the_daemons_argv(
     """gpu.enabled = "off": the daemon never plans, so "auto" stays vLLM's; `plan` still shows
     the account for a given size, and says that the launch does not use its choices."""
     from qwen4090.config import load
-    from qwen4090.launch import Origin
+    from qwen4090.launchvalue import Origin
 
     conf = write_config(tmp_path, sys.executable, gpu_keys='enabled = "off"')
     conf.write_text(conf.read_text().replace("max_model_len = 8192", 'max_model_len = "auto"'))

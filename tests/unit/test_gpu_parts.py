@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 from test_supervisor import Harness
-from tests.support.fakes import QWEN3_14B, FakeChild, Log
+from tests.support.fakes import QWEN3_14B, FakeChild, Log, NoGpu
 
-from qwen4090 import gpu, launch, learned
+from qwen4090 import gpu, launchvalue, learned
 from qwen4090.config import Config, from_dict
-from qwen4090.contracts import NoGpu
-from qwen4090.launch import Launch, configured
+from qwen4090.launch import configured
+from qwen4090.launchvalue import Launch
 from qwen4090.policy import EX_GPU, Cause, ExitVerdict
 from qwen4090.probes import nvml
 from qwen4090.results import PreflightResult
@@ -253,7 +253,7 @@ class FakeGpu(NoGpu):
         self.calls: list[tuple[Config, ExitVerdict, list[str]]] = []
         self.len = 40960
 
-    def launch(self, cfg: Config, beside: launch.Endpoint | None = None) -> Launch:
+    def launch(self, cfg: Config, beside: launchvalue.Endpoint | None = None) -> Launch:
         return configured(from_dict({"vllm": {"max_model_len": self.len}}), beside)
 
     def step_down(self, launched: Launch, cfg: Config, v: ExitVerdict, tail: list[str]

@@ -8,10 +8,10 @@ from typing import Any
 
 from tests.support.fakes import Log
 
-from qwen4090 import launch, readahead
+from qwen4090 import launch, launchvalue, readahead
 from qwen4090.config import Config, from_dict
 from qwen4090.kvbudget import FLAG, KvBudget, exact_bytes
-from qwen4090.launch import Launch
+from qwen4090.launchvalue import Launch
 from qwen4090.plan import GpuMemory
 
 GIB = 1024 ** 3
@@ -26,7 +26,7 @@ def ready(kv_bytes: int | None = 4 * GIB) -> dict[str, Any]:
 
 
 def resolve(kv: KvBudget, c: Config, gpu: str = "H200", runtime: str = "vllm 0.26.0",
-            beside: launch.Endpoint | None = None) -> Launch:
+            beside: launchvalue.Endpoint | None = None) -> Launch:
     """What the daemon's preflight does with the budget on disk (launch.py)."""
     return launch.resolve(c, launch.Facts(GpuMemory(80 * GIB, gpu), kv_budget=kv.read(),
                                           runtime=runtime), beside)
@@ -47,7 +47,7 @@ def test_the_next_launch_gets_the_bytes_of_the_last_good_start(tmp_path: Path) -
     second = resolve(kv, c)
     assert second.config.vllm.extra_args[-2:] == [FLAG, str(4 * GIB)]
     assert second.kv_note is not None and "30160 tokens" in second.kv_note
-    assert second.settings[launch.KV_KEY].origin is launch.Origin.KV_BUDGET
+    assert second.settings[launch.KV_KEY].origin is launchvalue.Origin.KV_BUDGET
     # a start that was given the budget does not re-record (the reported GiB are rounded)
     assert not record(kv, second, ready(3 * GIB))
     assert resolve(kv, c).config.vllm.extra_args[-1] == str(4 * GIB)
@@ -234,5 +234,5 @@ def test_sleep_mode_engines_get_the_budget_the_first_one_recorded(tmp_path: Path
     assert record(kv, first, ready())
     standby = resolve(kv, c, beside=first.engine)
     assert standby.config.vllm.extra_args[-2:] == [FLAG, str(4 * GIB)]
-    assert standby.engine == launch.Endpoint("127.0.0.1", c.front.engine_port + 1)
+    assert standby.engine == launchvalue.Endpoint("127.0.0.1", c.front.engine_port + 1)
     assert "--enable-sleep-mode" in standby.argv and str(c.front.engine_port + 1) in standby.argv

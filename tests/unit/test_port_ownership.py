@@ -9,7 +9,7 @@ from tests.support.fakes import CheckedGpu, FakeChild, FakeProbe, Inline, Log, N
 
 from qwen4090.config import Config, from_dict
 from qwen4090.contracts import Parts
-from qwen4090.launch import Launch
+from qwen4090.launchvalue import Launch
 from qwen4090.policy import Cause, classify_exit
 from qwen4090.probes.http import (
     HealthResult,

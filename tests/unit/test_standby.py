@@ -12,7 +12,7 @@ from test_supervisor import Harness
 from tests.support.fakes import FakeChild, FakeFront, FakeProbe
 
 from qwen4090.events import Event, StandbyWoken, Transition
-from qwen4090.launch import Launch
+from qwen4090.launchvalue import Launch
 from qwen4090.results import CompletionResult, HealthResult, PortOwner
 from qwen4090.standby import SLEEP_TIMEOUT, Failover, Phase, Step
 from qwen4090.states import State

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from tests.support.fakes import Log
 
-from qwen4090 import atomicfile, kvbudget, launch, learned
+from qwen4090 import atomicfile, kvbudget, launch, launchvalue, learned
 from qwen4090.config import from_dict
 from qwen4090.kvbudget import FLAG, KvBudget
 from qwen4090.plan import GpuMemory
@@ -46,7 +46,7 @@ def cfg() -> Any:
     return from_dict({"vllm": {"model": "/m"}, "restart": {"fixed_kv_budget": True}})
 
 
-def resolve(kv: KvBudget) -> launch.Launch:
+def resolve(kv: KvBudget) -> launchvalue.Launch:
     return launch.resolve(cfg(), launch.Facts(GpuMemory(80 * GIB, "H200"), kv_budget=kv.read(),
                                               runtime="vllm 0.26.0"))
 

@@ -23,11 +23,10 @@ from tests.support.fakes import (
 )
 
 from qwen4090 import steptime
-from qwen4090 import warmup as warmup_mod
 from qwen4090.config import Config, ConfigError, from_dict
 from qwen4090.contracts import Parts
-from qwen4090.launch import Launch
-from qwen4090.policy import Cause, ExitVerdict
+from qwen4090.launchvalue import Launch
+from qwen4090.policy import WARMUP_JOIN_GRACE, Cause, ExitVerdict, warmup_bound
 from qwen4090.probes.http import (
     HealthResult,
     MetricsResult,
@@ -74,7 +73,8 @@ class Harness:
             spawn=self.spawn, make_probe=lambda c: self.probe,
             gpu=CheckedGpu(preflight), warmup=warmup,
             load_config=self.load, notifier=self.notifier, executor=self.executor, log=self.log,
-            clock=self.clock, wall=lambda: 0.0, rand=random.Random(0),
+            step_times=steptime.StepTimes(self.log), clock=self.clock, wall=lambda: 0.0,
+            rand=random.Random(0),
             **({"front": front} if front is not None else {})))
 
     @property
@@ -1005,9 +1005,9 @@ def test_the_warming_limit_does_not_fail_a_warmup_within_its_own_bound() -> None
     h.executor.hold = lambda fn: "begin_warmup" in getattr(fn, "__qualname__", "")
     h.run_until(State.WARMING)
     assert Job.WARMUP in h.run.tasks
-    limit = warmup_mod.bound(h.cfg)
+    limit = warmup_bound(h.cfg)
     assert limit > 30.0 + 10.0  # request_timeout + its slack: the warmup's last step
-    h.step(30.0 + 10.0 + warmup_mod.JOIN_GRACE)  # past the old limit, within the bound
+    h.step(30.0 + 10.0 + WARMUP_JOIN_GRACE)  # past the old limit, within the bound
     assert h.sup.state is State.WARMING
     h.step(limit)
     assert h.sup.state is State.RESTARTING and "warmup overran" in h.failure.detail

@@ -4,6 +4,7 @@ from typing import Any
 
 from qwen4090 import warmup
 from qwen4090.config import from_dict
+from qwen4090.policy import WARMUP_JOIN_GRACE, warmup_bound
 from qwen4090.probes.http import (
     GENERATION_TOKENS,
     RUNNING,
@@ -188,6 +189,6 @@ def test_without_chunked_prefill_the_longest_prompt_sent_is_the_longest_step() -
 def test_the_supervisors_warming_limit_is_above_what_the_warmup_can_take() -> None:
     cfg = from_dict({"warmup": {"timeout": 60.0, "request_timeout": 10.0},
                      "watch": {"health_timeout": 2.0}})
-    # a step starts before warmup.timeout, waits request_timeout, its threads JOIN_GRACE more,
+    # a step starts before warmup.timeout, waits request_timeout, its threads the join grace more,
     # and the warmup looks at /metrics twice around it
-    assert warmup.bound(cfg) >= 60.0 + 10.0 + warmup.JOIN_GRACE + 2 * 2.0
+    assert warmup_bound(cfg) >= 60.0 + 10.0 + WARMUP_JOIN_GRACE + 2 * 2.0
