@@ -54,7 +54,7 @@ class ConfigError(Exception):
 
 # What a reload (SIGHUP) does with a changed key (issue 29.5): each key's ``reload``, else its
 # section's (SECTION_RELOAD).  Supervisor.handle_reload refuses the REFUSE keys and restarts
-# vLLM by one rule (its next launch differs: Supervisor.relaunch_reason); field_doc puts the
+# vLLM by one rule (its next launch differs: reloading.relaunch_reason); field_doc puts the
 # action in the man page and the full reference file, reload_doc in README, and
 # tests/unit/test_reload_actions.py reloads a change of every key to hold each to its word.
 LIVE, RESTART, NEXT_LAUNCH, REFUSE, START = "live", "restart", "next launch", "refuse", "start"

@@ -90,7 +90,7 @@ def engine_endpoint(cfg: Config, beside: Endpoint | None = None) -> Endpoint:
 def relaunch_changes(a: Launch, b: Launch) -> str:
     """What launching ``b`` instead of ``a`` changes for vLLM: the flags of its command line
     that differ, its environment ([vllm] env, the API key file); "" when nothing (the one rule
-    of what a reload restarts: Supervisor.relaunch_reason)."""
+    of what a reload restarts: reloading.relaunch_reason)."""
     out: list[str] = []
     if a.argv != b.argv:
         fa, fb = _flags(a.argv), _flags(b.argv)

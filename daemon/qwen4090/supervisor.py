@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from qwen4090 import fdlimit, states, statusline
-from qwen4090.config import Config, ConfigError, changed_sections, refused_keys, value_of
+from qwen4090 import fdlimit, reloading, states, statusline
+from qwen4090.config import Config, ConfigError, changed_sections
 from qwen4090.contracts import ChildLike, Parts, Published
 from qwen4090.engines import Engines
 from qwen4090.events import (
@@ -35,7 +35,7 @@ from qwen4090.events import (
     Transition,
     WarmedUp,
 )
-from qwen4090.launchvalue import Launch, engine_endpoint, relaunch_changes
+from qwen4090.launchvalue import Launch, engine_endpoint
 from qwen4090.policy import (
     EX_CONFIG,
     EX_GPU,
@@ -277,13 +277,7 @@ class Supervisor:
             if announce:
                 self.tell.reloaded(self.status_line(now, note="reload refused: " + str(e)))
             return
-        # The keys the schema says a reload refuses (config.REFUSE): the front's own address
-        # and vLLM's behind it are bound for the daemon's life; the client address only while
-        # the front holds it (without the front it is vLLM's own: the launch rule restarts it).
-        moved = [k for k in refused_keys() if value_of(new, k) != value_of(self.cfg, k)
-                 and (self.cfg.front.enabled or not k.startswith("vllm."))]
-        if moved:
-            why = ", ".join(moved)
+        if why := reloading.refused(self.cfg, new):
             self.log.error("reload_refused", error=f"{why} changed: the client port's owner "
                                                    "changes only with a restart (systemctl "
                                                    "restart qwen4090)",
@@ -306,27 +300,13 @@ class Supervisor:
         self.log.info("reloaded", changed=",".join(changed) or "nothing",
                       files=",".join(new.sources))
         self.tell.emit(Reloaded(tuple(changed)))
-        why = self.relaunch_reason(old, new)
+        why = reloading.relaunch_reason(old, new, self.p.gpu.launch, self.launch.runtime)
         if why and self.state in states.CHILD_STATES:
             self.log.warning("restart_for_reload", reason=why,
                              old_argv_len=len(old.vllm.command))
             self.fail(now, ExitVerdict(Cause.RELOAD, why, True))
         if announce:  # READY=1 ends the reload (the restart, if any, goes on)
             self.tell.reloaded(self.status_line(now))
-
-    def relaunch_reason(self, old: Config, new: Config) -> str:
-        """The one rule of what a reload restarts (issue 29.5): vLLM restarts iff its next
-        launch differs from the serving one.  Its command line and environment are compared
-        as both configs would launch now, on the same facts (learned limits, the KV budget,
-        the GPU), so that only the config's change counts; the runtime in vllm.command's venv
-        against the one the serving engine started on (install-runtime switched it: behind the
-        front a blip, issue 20.6)."""
-        nxt = self.p.gpu.launch(new)
-        was = self.launch.runtime
-        if was and nxt.runtime and nxt.runtime != was:
-            return f"vLLM runtime changed: {was} -> {nxt.runtime}"
-        changes = relaunch_changes(self.p.gpu.launch(old), nxt)
-        return f"vLLM's launch changed: {changes}" if changes else ""
 
     def handle_reports(self, now: float) -> None:
         """What the NVML threads reported: samples go to the listeners (from the loop's

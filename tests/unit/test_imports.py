@@ -47,8 +47,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # whose GpuMemory and Plan it holds; plan.gpu_memory asks NVML), the plan, what earlier
     # starts taught, the runtime venv, the checks before a launch, the instance (its lock, its
     # child record, its port)
-    "launch": ("launchvalue", "launch", "plan", "learned", "kvbudget", "steptime", "ladder",
-               "runtime", "preflight", "configrisk", "instance"),
+    "launch": ("launchvalue", "reloading", "launch", "plan", "learned", "kvbudget", "steptime",
+               "ladder", "runtime", "preflight", "configrisk", "instance"),
     # the typed GPU part: launch, preflight, step-down and the watch, over one door
     "gpu": ("gpu", "xid"),
     # the contracts of the parts the supervisor drives (protocols, do-nothing parts, Parts)
@@ -238,10 +238,10 @@ def test_importing_the_supervisor_loads_no_machine() -> None:
 
 # Issue 29's target is 15 modules of ours for the supervisor; this is what it loads now, each
 # a module it or its engines need (the launch's resolver, the warmup and the step store are
-# reached through Parts).  Lower it when a cut lands; raising it needs a reason: 20 -> 23 for
-# the supervisor's own parts split out of its class (engines, takeover, telling), which the
-# same issue asks to shrink to 500 lines: owners apart, not fewer modules.
-SUPERVISOR_MODULES = 23
+# reached through Parts).  Lower it when a cut lands; raising it needs a reason: 20 -> 24 for
+# the supervisor's own parts split out of its class (engines, takeover, telling, reloading),
+# which the same issue asks to shrink to 500 lines: owners apart, not fewer modules.
+SUPERVISOR_MODULES = 24
 
 
 def supervisor_modules() -> list[str]:
