@@ -9,6 +9,7 @@ the others still get the event.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,3 +87,14 @@ class StandbyWoken:
 Event = (Transition | ChildExitSeen | Restarted | WarmedUp | HangSeen | SteppedDown | GpuSampled
          | Reloaded | StandbyWoken)
 Listener = Callable[[Event], None]
+
+
+@dataclass
+class Inbox:
+    """What other threads hand the supervisor's loop, each only appended there (a deque's
+    append is atomic; the loop alone takes): the signal handlers' signals, the NVML threads'
+    samples (events) and fatal Xid texts, the pipe readers' engine deaths (child, line)."""
+
+    signals: deque[int] = field(default_factory=deque)
+    gpu: deque[Event | str] = field(default_factory=deque)
+    engine_deaths: deque[tuple[object, str]] = field(default_factory=deque)

@@ -27,8 +27,8 @@ from qwen4090.contracts import ChildLike, Parts, Published
 from qwen4090.engines import Engines
 from qwen4090.events import (
     ChildExitSeen,
-    Event,
     GpuSampled,
+    Inbox,
     Reloaded,
     Restarted,
     SteppedDown,
@@ -98,9 +98,7 @@ class Supervisor:
         self.ready_since: float | None = None
         self.after_stable = False  # the failing run had been READY for restart.stable_after
         self.warmup: WarmupResult | None = None
-        self.reports: deque[Event | str] = deque()  # NVML threads: samples, fatal Xid texts
-        self.engine_deaths: deque[tuple[object, str]] = deque()  # pipe readers: (child, line)
-        self.signals: deque[int] = deque() if signals is None else signals
+        self.inbox = Inbox(signals if signals is not None else deque())  # other threads'
         self.moved = False  # the last step changed the state: the next one is due at once
         self.tell = Teller(parts.notifier, parts.listeners, self.log)  # systemd, listeners
         self.port = PortGuard(self.log)  # vLLM's port while another process holds it
@@ -145,19 +143,19 @@ class Supervisor:
 
     def deliver(self, signum: int) -> None:
         """Queue a signal (called from the signal handler: only an append)."""
-        self.signals.append(signum)
+        self.inbox.signals.append(signum)
 
     def report_gpu_fault(self, detail: str) -> None:
         """A fatal Xid (called from the NVML thread: only an append)."""
-        self.reports.append(detail)
+        self.inbox.gpu.append(detail)
 
     def report_gpu_sample(self, fields: dict[str, Any]) -> None:
         """An NVML sample (called from the sample thread: only an append)."""
-        self.reports.append(GpuSampled(fields))
+        self.inbox.gpu.append(GpuSampled(fields))
 
     def report_engine_dead(self, child: object, line: str) -> None:
         """vLLM's line that its EngineCore died (from a pipe reader thread: only an append)."""
-        self.engine_deaths.append((child, line))
+        self.inbox.engine_deaths.append((child, line))
 
     def next_wakeup(self, now: float) -> float:
         """Seconds the loop may sleep before the next step is due: the earliest deadline of the
@@ -230,8 +228,8 @@ class Supervisor:
     # --- loop steps ------------------------------------------------------------------------
 
     def handle_signals(self, now: float) -> None:
-        while self.signals:
-            signum = self.signals.popleft()
+        while self.inbox.signals:
+            signum = self.inbox.signals.popleft()
             if signum in (signal.SIGTERM, signal.SIGINT):
                 self.handle_stop(now, signal.Signals(signum).name)
             elif signum == signal.SIGHUP:
@@ -311,8 +309,8 @@ class Supervisor:
     def handle_reports(self, now: float) -> None:
         """What the NVML threads reported: samples go to the listeners (from the loop's
         thread), a fatal Xid ends the daemon (EX_GPU) once the group is gone."""
-        while self.reports:
-            report = self.reports.popleft()
+        while self.inbox.gpu:
+            report = self.inbox.gpu.popleft()
             if not isinstance(report, str):
                 self.tell.emit(report)
                 continue
@@ -384,8 +382,8 @@ class Supervisor:
     def handle_engine_deaths(self, now: float) -> None:
         """Restart at once when vLLM says its engine died: its API server would serve errors
         until its own watchdog ends it, seconds later (issue 10.2)."""
-        while self.engine_deaths:
-            child, line = self.engine_deaths.popleft()
+        while self.inbox.engine_deaths:
+            child, line = self.inbox.engine_deaths.popleft()
             if self.keeper.run is not None and child is self.keeper.run.child:
                 self.carry_out(now, self.keeper.lost(now, f"its engine died: {line[:200]}",
                                                      self.cfg, self.run))
