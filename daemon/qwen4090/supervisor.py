@@ -47,7 +47,6 @@ from qwen4090.policy import (
     ExitVerdict,
     backoff_delay,
 )
-from qwen4090.portguard import PortGuard
 from qwen4090.redact import safe_error
 from qwen4090.results import (
     CompletionResult,
@@ -58,6 +57,7 @@ from qwen4090.results import (
 )
 from qwen4090.run import Fail, Job, Move, Role, Run, Task, Verdict
 from qwen4090.standby import Ask, Keeper, Step
+from qwen4090.starter import GiveUp, Started, Starter
 from qwen4090.states import State
 from qwen4090.steering import Drain, Hold, Refuse, Serve
 from qwen4090.takeover import Takeover
@@ -75,7 +75,6 @@ ENGINE_TICK = 0.2  # while serving: how soon a dead EngineCore is seen (a /proc 
 # The states in which the serving row holds an engine that serves (asleep for a build too).
 ROW_SERVES = (S.READY, S.DEGRADED, S.REBUILDING)
 BUILD_JOBS = frozenset({Job.BUILD_REFERENCE, Job.BUILD_SLEEP, Job.BUILD_WAKE, Job.BUILD_CHECK})
-FD_RETRY = 2.0  # a preflight that found no file descriptor to look with runs again this soon
 
 
 class Supervisor:
@@ -101,7 +100,7 @@ class Supervisor:
         self.inbox = Inbox(signals if signals is not None else deque())  # other threads'
         self.moved = False  # the last step changed the state: the next one is due at once
         self.tell = Teller(parts.notifier, parts.listeners, self.log)  # systemd, listeners
-        self.port = PortGuard(self.log)  # vLLM's port while another process holds it
+        self.starter = Starter(parts, self.log)  # the preflight, the port's wait, the spawn
         # the standby engine and its builds (issue 21; standby.py)
         self.keeper = Keeper(cfg.restart.standby if cfg.front.enabled else "off", self.log,
                              parts.spawn, parts.make_probe,
@@ -109,10 +108,6 @@ class Supervisor:
                              since=now)
         # the takeover of the failure being handled (RESTARTING's sub-state; takeover.py)
         self.takeover = Takeover(self.engines, self.keeper, self.log, self.tell.emit)
-        # A look that found no file descriptor (fdlimit.py): said once per burst, and the
-        # preflight that could not look runs again at look_again_at, not counted.
-        self.pressure = fdlimit.PRESSURE
-        self.look_again_at: float | None = None
         self.published = Published({}, cfg, None, now)
         self.step_safely(now, self.publish)
 
@@ -177,7 +172,7 @@ class Supervisor:
             waits.append(ENGINE_TICK)  # a dead EngineCore is seen within it (Run.watch)
         # the daemon's own deadlines, then every row's (engines.py: a passed one is due now
         # only for the serving row's poll while it serves)
-        waits += [t - now for t in (self.restart_at, self.look_again_at)
+        waits += [t - now for t in (self.restart_at, self.starter.look_again_at)
                   if t is not None and t > now]
         waits += self.engines.waits(now, self.cfg.watch, self.state in states.SERVING_STATES)
         # the standby's build: only what is still ahead (a passed next try or quiet time waits
@@ -209,7 +204,7 @@ class Supervisor:
         except Exception as e:
             if not fdlimit.exhausted(e):
                 raise
-            self.pressure.note(f"the loop's {part.__name__} ({self.state.value})", e)
+            fdlimit.PRESSURE.note(f"the loop's {part.__name__} ({self.state.value})", e)
 
     def publish(self, now: float) -> None:
         """What the status endpoint shows from now on (one attribute write: its threads read
@@ -374,7 +369,7 @@ class Supervisor:
         self.tell.emit(ChildExitSeen(rc))  # recovery: the timeline's fault mark
         # Judged again from the full tail once the group is gone (a surviving EngineCore
         # holds the pipes open: no waiting for them here).
-        verdict = self.port.judge(now, self.cfg.restart.port_wait, run.exit_verdict())
+        verdict = self.starter.port.judge(now, self.cfg.restart.port_wait, run.exit_verdict())
         self.log.warning("child_exited", pid=run.child.pid, code=rc, cause=verdict.cause.value,
                          detail=verdict.detail)
         self.fail(now, verdict)
@@ -458,72 +453,16 @@ class Supervisor:
     # --- per-state steps -----------------------------------------------------------------
 
     def step_preflight(self, now: float) -> None:
-        if self.look_again_at is not None:
-            if now < self.look_again_at:
-                return
-            self.look_again_at = None
-        try:
-            self.preflight_and_spawn(now)
-        except Exception as e:
-            # A look that found no file descriptor (the front's clients hold them): no
-            # verdict, not counted; the preflight runs again in FD_RETRY (issue 28.3).
-            if not fdlimit.exhausted(e):
-                raise
-            self.could_not_look(now, "the preflight", e)
-
-    def could_not_look(self, now: float, where: str, e: BaseException) -> None:
-        self.pressure.note(where, e)
-        self.look_again_at = now + FD_RETRY
-
-    def preflight_and_spawn(self, now: float) -> None:
-        if self.port.holder:  # where the next serving engine listens: free yet?
-            held = self.port.look_again(now, engine_endpoint(self.cfg),
-                                        self.cfg.restart.port_wait, self.p.ports)
-            if isinstance(held, ExitVerdict):
-                self.fail(now, held)
-            if held is not False:
-                return
-        chosen = self.p.gpu.launch(self.cfg)
-        res = self.p.gpu.preflight(chosen)
-        if res.unseen is not None:
-            self.could_not_look(now, "the preflight", res.unseen)
-            return
-        for w in res.warnings:
-            self.log.warning("preflight_warning", detail=w)
-        if res.fatal is not None:
-            self.give_up(now, EX_CONFIG, str(res.fatal))
-            return
-        if res.transient is not None:
-            if res.port_holder is not None and self.port.observe(
-                    now, chosen.engine, self.cfg.restart.port_wait, res.port_holder):
-                return
-            self.fail(now, ExitVerdict(Cause.PREFLIGHT, res.transient, True))
-            return
-        try:
-            # the probe first: its key file read may find no file descriptor either, and a
-            # spawned child without a Run would be nobody's to stop
-            probe = self.p.make_probe(chosen)
-            child = self.p.spawn(chosen)
-        except ConfigError as e:
-            if fdlimit.exhausted(e):
-                raise  # could not read the key file: says nothing of it (step_preflight)
-            self.give_up(now, EX_CONFIG, str(e))
-            return
-        except OSError as e:
-            if fdlimit.exhausted(e):
-                raise  # no pipe for vLLM's output: says nothing of vllm.command
-            err = ConfigError(self.cfg.sources[0] if self.cfg.sources else None,
-                              "vllm.command", f"cannot start {self.cfg.vllm.command[0]}: "
-                                              f"{e.strerror or e}")
-            self.give_up(now, EX_CONFIG, str(err))
-            return
-        self.engines.add(Run(child, probe, chosen, now, self.cfg.watch, self.log,
-                             lambda fn: self.p.executor.submit(fn), self.p.clock,
-                             warnings=len(res.warnings)))
-        self.launch = chosen
-        self.failure = None
-        self.log.info("child_spawned", pid=child.pid, argv=" ".join(chosen.argv))
-        self.transition(now, S.STARTING, "spawned")
+        out = self.starter.step(now, self.cfg)
+        if isinstance(out, Started):
+            self.engines.add(out.run)
+            self.launch = out.launch
+            self.failure = None
+            self.transition(now, S.STARTING, "spawned")
+        elif isinstance(out, GiveUp):
+            self.give_up(now, out.code, out.why)
+        elif out is not None:
+            self.fail(now, out)
 
     def step_starting(self, now: float) -> None:
         """STARTING, LOADING, WARMING: the run's start, judged (first line, /health, timeouts)."""
@@ -675,7 +614,8 @@ class Supervisor:
         if self.failure is None:
             return
         final = run.final_verdict(self.failure, tail,
-                                  lambda v: self.port.judge(now, self.cfg.restart.port_wait,
+                                  lambda v: self.starter.port.judge(now,
+                                                                    self.cfg.restart.port_wait,
                                                             v))
         if final != self.failure:
             self.log.warning("exit_classified", cause=final.cause.value, detail=final.detail,
@@ -783,7 +723,7 @@ class Supervisor:
             return None
         holder = run.stranger_on_port(self.p.ports, owner)
         if holder is None and run.child.poll() is None:
-            self.port.ours()
+            self.starter.port.ours()
         return holder
 
     # --- failure ----------------------------------------------------------------------------
@@ -862,7 +802,7 @@ class Supervisor:
             failures=self.crashes.budget.count(now), budget=c.restart.budget_failures,
             stop_phase="stop" if run is None else "drain" if run.drain is not None else "term",
             port=str(run.launch.engine if run else engine_endpoint(c)),
-            port_holder=self.port.holder, warnings=run.warnings if run else 0,
+            port_holder=self.starter.port.holder, warnings=run.warnings if run else 0,
             front=self.p.front.sample(),
             standby=self.keeper.phase.value if self.keeper.on else "",
             waking=self.takeover.waking)

@@ -30,8 +30,8 @@ from qwen4090 import fdlimit, launchvalue, preflight
 from qwen4090.config import from_dict
 from qwen4090.policy import Cause
 from qwen4090.results import CompletionResult, HealthResult, MetricsResult, PreflightResult
+from qwen4090.starter import FD_RETRY
 from qwen4090.states import State
-from qwen4090.supervisor import FD_RETRY
 
 EMFILE = OSError(errno.EMFILE, os.strerror(errno.EMFILE))
 
@@ -264,7 +264,6 @@ def test_a_preflight_that_cannot_look_runs_again_without_counting_a_failure(pres
                                                                             ) -> None:
     answers = [PreflightResult(unseen=EMFILE), PreflightResult(unseen=EMFILE)]
     h = Harness(preflight=lambda launch: answers.pop(0) if answers else PreflightResult())
-    h.sup.pressure = fdlimit.PRESSURE
     h.step()
     assert h.sup.state is State.PREFLIGHT and not h.children and h.sup.failure is None
     assert h.sup.next_wakeup(h.clock.t) <= FD_RETRY
@@ -285,7 +284,6 @@ def test_a_spawn_without_a_file_descriptor_is_no_config_error(pressure: Log, err
     from qwen4090.config import ConfigError
 
     h = Harness()
-    h.sup.pressure = fdlimit.PRESSURE
     spawn = h.sup.p.spawn
     failures = [1]
 
@@ -337,7 +335,6 @@ def test_a_step_that_finds_no_file_descriptor_is_left_for_the_next(pressure: Log
 
     front = Starved()
     h = Harness(front=front)
-    h.sup.pressure = fdlimit.PRESSURE
     h.run_until(State.READY)
     front.fail = True
     h.step(0.25)  # no exception out of the loop's step: cli would exit 70
