@@ -24,6 +24,14 @@ EX_SOFTWARE = 70  # an internal error of ours
 EX_TEMPFAIL = 75  # crash loop: let systemd's restart policy decide
 EX_CONFIG = 78  # configuration error: never retried (RestartPreventExitStatus=78)
 
+
+@dataclass(frozen=True)
+class GiveUp:
+    """The daemon ends: its exit code (the classes above) and why."""
+
+    code: int
+    why: str
+
 EXIT_CODES = {
     EX_OK: "stopped cleanly (SIGTERM/SIGINT), or a command succeeded",
     1: "a command failed (e.g. `status`: not ready)",

@@ -11,7 +11,7 @@ from qwen4090 import fdlimit
 from qwen4090.config import Config, ConfigError
 from qwen4090.contracts import LogLike, Parts
 from qwen4090.launchvalue import Launch, engine_endpoint
-from qwen4090.policy import EX_CONFIG, Cause, ExitVerdict
+from qwen4090.policy import EX_CONFIG, Cause, ExitVerdict, GiveUp
 from qwen4090.portguard import PortGuard
 from qwen4090.run import Run
 
@@ -24,12 +24,6 @@ class Started:
 
     run: Run
     launch: Launch
-
-
-@dataclass(frozen=True)
-class GiveUp:
-    code: int
-    why: str
 
 
 StartStep = Started | GiveUp | ExitVerdict | None

@@ -30,24 +30,18 @@ from qwen4090.events import (
     GpuSampled,
     Inbox,
     Reloaded,
-    Restarted,
-    SteppedDown,
     Transition,
     WarmedUp,
 )
 from qwen4090.launchvalue import Launch, engine_endpoint
 from qwen4090.policy import (
-    EX_CONFIG,
     EX_GPU,
     EX_OK,
-    EX_TEMPFAIL,
     NOT_FAILURES,
     Cause,
-    CrashLoop,
     ExitVerdict,
-    backoff_delay,
 )
-from qwen4090.redact import safe_error
+from qwen4090.restarts import Restarts
 from qwen4090.results import (
     CompletionResult,
     HealthResult,
@@ -91,15 +85,11 @@ class Supervisor:
         self.exit_code: int | None = None
         self.engines = Engines(now, parts.log)  # every vLLM process group, a row each
         self.launch = parts.gpu.configured(cfg)  # what the last vLLM ran with, and why
-        self.crashes = CrashLoop(cfg.restart)  # restarts, history, budget, backoff
-        self.failure: ExitVerdict | None = None
-        self.restart_at: float | None = None
-        self.ready_since: float | None = None
-        self.after_stable = False  # the failing run had been READY for restart.stable_after
         self.warmup: WarmupResult | None = None
         self.inbox = Inbox(signals if signals is not None else deque())  # other threads'
         self.moved = False  # the last step changed the state: the next one is due at once
         self.tell = Teller(parts.notifier, parts.listeners, self.log)  # systemd, listeners
+        self.restarts = Restarts(cfg.restart, self.log, self.tell.emit)  # budget, backoff
         self.starter = Starter(parts, self.log)  # the preflight, the port's wait, the spawn
         # the standby engine and its builds (issue 21; standby.py)
         self.keeper = Keeper(cfg.restart.standby if cfg.front.enabled else "off", self.log,
@@ -172,7 +162,7 @@ class Supervisor:
             waits.append(ENGINE_TICK)  # a dead EngineCore is seen within it (Run.watch)
         # the daemon's own deadlines, then every row's (engines.py: a passed one is due now
         # only for the serving row's poll while it serves)
-        waits += [t - now for t in (self.restart_at, self.starter.look_again_at)
+        waits += [t - now for t in (self.restarts.restart_at, self.starter.look_again_at)
                   if t is not None and t > now]
         waits += self.engines.waits(now, self.cfg.watch, self.state in states.SERVING_STATES)
         # the standby's build: only what is still ahead (a passed next try or quiet time waits
@@ -214,7 +204,8 @@ class Supervisor:
     def snapshot(self) -> dict[str, Any]:
         """Facts for status output (JSON-friendly): /status, `qwen4090 status`, the page."""
         now = self.p.clock()
-        snap = statusline.snapshot(self.facts(now), [asdict(r) for r in self.crashes.history],
+        snap = statusline.snapshot(self.facts(now),
+                                   [asdict(r) for r in self.restarts.crashes.history],
                                    self.tell.last_status)
         snap["standby"] = self.keeper.status(now)
         snap["engines"] = self.engines.phases()  # the table: every row's role, phase, pid
@@ -282,7 +273,7 @@ class Supervisor:
         changed = changed_sections(self.cfg, new)
         old = self.cfg
         self.cfg = new
-        self.crashes.reconfigure(new.restart)
+        self.restarts.crashes.reconfigure(new.restart)
         mode = new.restart.standby if new.front.enabled else "off"
         if mode != self.keeper.mode:
             self.keeper.discard(now, f"restart.standby = {mode!r} now",
@@ -315,9 +306,9 @@ class Supervisor:
             if self.run is not None and self.state in states.CHILD_STATES:
                 self.fail(now, v)
                 continue
-            self.failure = v  # a group still going: after_child_gone gives up with EX_GPU
+            self.restarts.failure = v  # a group still going: after_child_gone gives up
             if self.run is None:
-                self.restart_at = None
+                self.restarts.restart_at = None
                 self.give_up(now, EX_GPU, f"{v.cause.value}: {v.detail}")
 
     def harvest(self, now: float) -> None:
@@ -457,7 +448,7 @@ class Supervisor:
         if isinstance(out, Started):
             self.engines.add(out.run)
             self.launch = out.launch
-            self.failure = None
+            self.restarts.failure = None
             self.transition(now, S.STARTING, "spawned")
         elif isinstance(out, GiveUp):
             self.give_up(now, out.code, out.why)
@@ -503,7 +494,7 @@ class Supervisor:
         assert run is not None
         self.serve(run)  # before READY: the front opens on this engine's address
         self.transition(now, S.READY, why)
-        self.ready_since = now
+        self.restarts.ready_since = now
         run.became_ready(now)
         tokens, kv_bytes = run.child.kv_cache()
         if self.p.gpu.remember_kv(run.launch, tokens, kv_bytes):
@@ -518,20 +509,9 @@ class Supervisor:
         e = run.launch.engine
         self.p.front.command(Serve(e.host, e.port, run.child.pid))
 
-    def served_stably(self, now: float) -> bool:
-        """This run has been serving for restart.stable_after."""
-        return self.state in states.SERVING_STATES and self.ready_since is not None \
-            and now - self.ready_since >= self.cfg.restart.stable_after
-
-    def note_stable(self, now: float) -> None:
-        """A run READY for restart.stable_after starts the backoff over."""
-        if self.crashes.consecutive and self.served_stably(now) and self.crashes.stable():
-            assert self.ready_since is not None
-            self.log.info("stable", seconds=round(now - self.ready_since), backoff_reset=True)
-
     def step_ready(self, now: float) -> None:
         assert self.run is not None
-        self.note_stable(now)
+        self.restarts.note_stable(now, True, self.cfg)
         self.act(now, self.run.watch(now, self.state, self.cfg.watch, self.p.ports))
 
     step_degraded = step_ready
@@ -574,7 +554,8 @@ class Supervisor:
             if not run.reap_group(now):
                 return
             if not run.last_lines_in(now) and not (t.at(Step.KILL)
-                                                   and not run.tail_decides(self.failure)):
+                                                   and not run.tail_decides(
+                                                       self.restarts.failure)):
                 # vLLM's last lines are still on their way (never blocking the loop); a
                 # takeover does not wait for lines that cannot change it (a hang we ended:
                 # on the H200 the wait took 2 s of the failover, up to OUTPUT_WAIT)
@@ -582,12 +563,13 @@ class Supervisor:
             if t.at(Step.FALL_BACK):  # now a normal restart
                 t.end()
                 self.engines.drop(run, now)
-                self.restart_at = now
+                self.restarts.restart_at = now
                 self.log.warning("restart_scheduled", cause="failover_failed", delay=0.0,
-                                 restarts=self.crashes.restarts)
+                                 restarts=self.restarts.crashes.restarts)
                 return
             tail = run.child.tail_lines()
-            self.reclassify_exit(now, run, tail)
+            self.restarts.reclassify(run, tail, lambda v: self.starter.port.judge(
+                now, self.cfg.restart.port_wait, v))
             self.engines.drop(run, now)
             self.after_child_gone(now, tail)
             return
@@ -601,81 +583,32 @@ class Supervisor:
                 assert self.run is not None
                 self.state_reason = f"failover: waking the standby (pid {self.run.child.pid})"
             else:  # it failed while the GPU let go: the normal restart
-                self.restart_at = now
+                self.restarts.restart_at = now
             return
-        if self.restart_at is not None and now >= self.restart_at:
+        r = self.restarts
+        if r.restart_at is not None and now >= r.restart_at:
             if not self.gpu_released(now):
                 return
-            self.restart_at = None
-            self.transition(now, S.PREFLIGHT, f"restart {self.crashes.restarts}")
-
-    def reclassify_exit(self, now: float, run: Run, tail: list[str]) -> None:
-        """The failure judged again now that vLLM's last lines are in (the tail)."""
-        if self.failure is None:
-            return
-        final = run.final_verdict(self.failure, tail,
-                                  lambda v: self.starter.port.judge(now,
-                                                                    self.cfg.restart.port_wait,
-                                                            v))
-        if final != self.failure:
-            self.log.warning("exit_classified", cause=final.cause.value, detail=final.detail,
-                             was=self.failure.cause.value)
-            self.failure = final
+            r.restart_at = None
+            self.transition(now, S.PREFLIGHT, f"restart {r.crashes.restarts}")
 
     def after_child_gone(self, now: float, tail: list[str]) -> None:
-        v = self.failure
+        r = self.restarts
+        counted = r.gone(now, self.p.wall(), tail, self.cfg, self.p.gpu, self.launch)
+        v = r.failure
         assert v is not None
-        counted = self.crashes.record(now, self.p.wall(), v)
-        self.tell.emit(Restarted(v.cause.value, counted))
-        if not v.retry:
-            code = EX_GPU if v.cause == Cause.GPU_FATAL else EX_CONFIG
-            self.give_up(now, code, f"{v.cause.value}: {v.detail}")
-            return
         # the tail may have changed the verdict (an OOM is not taken over: the ladder's)
-        takes_over = self.takeover.current is not None and self.keeper.takes_over(v, True)
-        if not takes_over:
+        if isinstance(counted, GiveUp) or not self.keeper.takes_over(v, True):
             self.takeover.end()
-        if v.cause == Cause.OOM:
-            self.step_down(v, tail)
-        if counted and (spent := self.crashes.spent(now, self.cfg.restart, v)) is not None:
-            self.takeover.end()
-            self.give_up(now, EX_TEMPFAIL, spent)
-            return
-        if takes_over:
+        if isinstance(counted, GiveUp):
+            self.give_up(now, counted.code, counted.why)
+        elif self.takeover.current is not None:
             self.takeover.group_gone(now)
-            return
-        if self.keeper.run is not None:  # a normal restart: the standby has the old settings
-            self.keeper.discard(now, f"a restart after {v.cause.value}",
-                                self.cfg.stop.term_timeout)
-        delay = backoff_delay(self.crashes.consecutive, self.cfg.restart, self.p.rand) \
-            if counted and not self.after_stable else 0.0
-        self.restart_at = now + delay
-        self.log.warning("restart_scheduled", cause=v.cause.value, delay=round(delay, 2),
-                         restarts=self.crashes.restarts,
-                         failures_in_window=self.crashes.budget.count(now),
-                         budget=self.cfg.restart.budget_failures)
-
-    def step_down(self, v: ExitVerdict, tail: list[str]) -> None:
-        """OOM: one rung down the ladder for the next launch (the GPU part remembers it).  The
-        ladder's own settings are the current config's (a reload applies to the next OOM)."""
-        if not self.cfg.gpu.oom_ladder:
-            self.log.error("oom_not_stepped_down", cause=v.detail,
-                           reason="gpu.oom_ladder is off: the next launch uses the same "
-                                  "settings", hint="set gpu.oom_ladder = true, or lower "
-                                                   "vllm.max_model_len / max_num_seqs")
-            return
-        try:
-            changes = self.p.gpu.step_down(self.launch, self.cfg, v, tail)
-        except Exception as e:
-            self.log.error("oom_step_down_failed", error=safe_error(e, where=True))
-            return
-        if changes:
-            self.log.warning("oom_step_down", changes="; ".join(changes), cause=v.detail)
-            self.tell.emit(SteppedDown(tuple(changes)))
         else:
-            self.log.error("oom_ladder_exhausted", cause=v.detail,
-                           hint="lower vllm.max_model_len / max_num_seqs, or use a smaller "
-                                "or quantized model")
+            if self.keeper.run is not None:  # a restart: the standby has the old settings
+                self.keeper.discard(now, f"a restart after {v.cause.value}",
+                                    self.cfg.stop.term_timeout)
+            r.schedule(now, counted, self.cfg, self.p.rand)
 
     def gpu_released(self, now: float) -> bool:
         """Before a relaunch: the stopped groups' GPU memory is free (engines.py)."""
@@ -732,11 +665,7 @@ class Supervisor:
         """Leave the running states for RESTARTING: stop the group, then decide."""
         if self.state in (S.RESTARTING, S.STOPPING) or self.done:
             return
-        # A failure found in this step's harvest comes before step_ready's own check.
-        self.note_stable(now)
-        # A run that served for restart.stable_after is restarted at once (issue 10.2): one
-        # fault after a long healthy period is not a crash loop; the next ones back off.
-        self.after_stable = self.served_stably(now)
+        self.restarts.failed(now, verdict, self.state in states.SERVING_STATES, self.cfg)
         started = self.state not in states.SERVING_STATES
         serving = self.state in ROW_SERVES
         takeover = self.keeper.takes_over(verdict, serving)
@@ -744,7 +673,6 @@ class Supervisor:
         if self.keeper.run is not None and not self.keeper.ready:
             self.keeper.discard(now, "the serving engine failed during the standby's build",
                                 self.cfg.stop.term_timeout)
-        self.failure = verdict
         level = self.log.info if verdict.cause in NOT_FAILURES else self.log.error
         run = self.run
         level("vllm_failed", cause=verdict.cause.value, detail=verdict.detail,
@@ -781,8 +709,8 @@ class Supervisor:
         states.check(src, dst)
         self.state, self.state_since, self.state_reason = dst, now, reason
         self.log.info("state_changed", **{"from": src.value}, to=dst.value, reason=reason,
-                      pid=self.child.pid if self.child else None, restarts=self.crashes.restarts,
-                      **fields)
+                      pid=self.child.pid if self.child else None,
+                      restarts=self.restarts.crashes.restarts, **fields)
         self.tell.emit(Transition(src, dst, reason))
 
     def status_line(self, now: float, note: str = "") -> str:
@@ -790,16 +718,17 @@ class Supervisor:
         return statusline.render(self.facts(now), note)
 
     def facts(self, now: float) -> statusline.Facts:
-        run, c = self.run, self.cfg
+        run, c, r = self.run, self.cfg, self.restarts
         return statusline.Facts(
             state=self.state, reason=self.state_reason, seconds=now - self.state_since,
-            vllm=self.launch_cfg.vllm, restarts=self.crashes.restarts, warmup=self.warmup,
+            vllm=self.launch_cfg.vllm, restarts=self.restarts.crashes.restarts,
+            warmup=self.warmup,
             pid=run.child.pid if run else None,
             run_seconds=now - run.spawned_at if run else 0.0,
             warming=run.warmup_progress if run else "",
-            restart_in=None if self.restart_at is None else self.restart_at - now,
-            cause=self.failure.cause.value if self.failure else "?",
-            failures=self.crashes.budget.count(now), budget=c.restart.budget_failures,
+            restart_in=None if r.restart_at is None else r.restart_at - now,
+            cause=r.failure.cause.value if r.failure else "?",
+            failures=r.crashes.budget.count(now), budget=c.restart.budget_failures,
             stop_phase="stop" if run is None else "drain" if run.drain is not None else "term",
             port=str(run.launch.engine if run else engine_endpoint(c)),
             port_holder=self.starter.port.holder, warnings=run.warnings if run else 0,

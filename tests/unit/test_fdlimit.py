@@ -265,7 +265,7 @@ def test_a_preflight_that_cannot_look_runs_again_without_counting_a_failure(pres
     answers = [PreflightResult(unseen=EMFILE), PreflightResult(unseen=EMFILE)]
     h = Harness(preflight=lambda launch: answers.pop(0) if answers else PreflightResult())
     h.step()
-    assert h.sup.state is State.PREFLIGHT and not h.children and h.sup.failure is None
+    assert h.sup.state is State.PREFLIGHT and not h.children and h.sup.restarts.failure is None
     assert h.sup.next_wakeup(h.clock.t) <= FD_RETRY
     h.step(FD_RETRY / 2)
     assert len(answers) == 1  # not before FD_RETRY
@@ -273,7 +273,7 @@ def test_a_preflight_that_cannot_look_runs_again_without_counting_a_failure(pres
     assert h.sup.state is State.PREFLIGHT and not answers
     h.step(FD_RETRY)
     assert h.sup.state is State.STARTING and len(h.children) == 1
-    assert h.sup.crashes.restarts == 0 and h.sup.exit_code is None
+    assert h.sup.restarts.crashes.restarts == 0 and h.sup.exit_code is None
     assert len(pressure.named("fd_pressure")) == 1
     assert "vllm_failed" not in h.log.names() and "giving_up" not in h.log.names()
 
@@ -302,7 +302,7 @@ def test_a_spawn_without_a_file_descriptor_is_no_config_error(pressure: Log, err
     h.step()
     assert h.sup.state is State.PREFLIGHT and h.sup.exit_code is None
     h.step(FD_RETRY)
-    assert h.sup.state is State.STARTING and h.sup.crashes.restarts == 0
+    assert h.sup.state is State.STARTING and h.sup.restarts.crashes.restarts == 0
 
 
 def test_an_unseen_poll_or_canary_is_no_verdict(pressure: Log) -> None:

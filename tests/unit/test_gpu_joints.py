@@ -238,7 +238,7 @@ def test_gpu_off_the_ladders_setting_is_used_by_the_next_launch(tmp_path: Path) 
     h.run_until(State.LOADING)
     h.child.exit(1, ["noise", CUDA_OOM, FINAL])
     h.step(0.1)
-    assert h.sup.failure is not None and h.sup.failure.cause is Cause.OOM
+    assert h.sup.restarts.failure is not None and h.sup.restarts.failure.cause is Cause.OOM
     h.run_until(State.READY)
     assert [c.vllm.max_num_seqs for c in launches] == [32, 16]
     assert "oom_step_down" in h.log.names() and "learned_applied" in h.log.names()

@@ -150,7 +150,7 @@ def test_a_held_port_is_waited_on_not_counted() -> None:
     h.ports.held_by = STRANGER
     h.step(n=4 * 45)  # 45 s
     assert h.sup.state == State.PREFLIGHT and h.sup.exit_code is None and not h.children
-    assert h.sup.crashes.budget.count(h.t) == 0
+    assert h.sup.restarts.crashes.budget.count(h.t) == 0
     busy = h.log.named("port_busy")
     assert len(busy) == 2 and busy[0]["holder"] == STRANGER  # at once, then after 30 s
     assert busy[1]["waited"] >= 30
@@ -158,7 +158,7 @@ def test_a_held_port_is_waited_on_not_counted() -> None:
     h.ports.held_by = None
     h.step(n=12)
     assert h.log.named("port_free") and h.sup.state == State.READY
-    assert h.sup.crashes.restarts == 0 and h.sup.crashes.budget.count(h.t) == 0
+    assert h.sup.restarts.crashes.restarts == 0 and h.sup.restarts.crashes.budget.count(h.t) == 0
 
 
 def test_a_port_held_past_port_wait_is_a_counted_failure() -> None:
@@ -168,8 +168,9 @@ def test_a_port_held_past_port_wait_is_a_counted_failure() -> None:
     assert h.sup.state == State.PREFLIGHT
     h.step(n=8)
     assert h.log.named("port_wait_spent")
-    assert h.sup.crashes.budget.count(h.t) == 1 and h.sup.failure is not None
-    assert h.sup.failure.cause is Cause.PREFLIGHT and STRANGER in h.sup.failure.detail
+    assert h.sup.restarts.crashes.budget.count(h.t) == 1 and h.sup.restarts.failure is not None
+    f = h.sup.restarts.failure
+    assert f.cause is Cause.PREFLIGHT and STRANGER in f.detail
     # The next start waits again (bounded), and the budget ends it: exit 75.
     h.step(n=4 * 30)
     assert h.sup.state == State.FAILED and h.sup.exit_code == 75
@@ -187,12 +188,12 @@ def test_vllm_dying_of_a_held_port_waits_for_the_port() -> None:
     h.step(n=8)
     exited = h.log.named("child_exited")
     assert exited and exited[0]["cause"] == "port_held"
-    assert h.sup.state == State.PREFLIGHT and h.sup.crashes.budget.count(h.t) == 0
+    assert h.sup.state == State.PREFLIGHT and h.sup.restarts.crashes.budget.count(h.t) == 0
     assert h.log.named("port_busy")[0]["holder"] == STRANGER
     h.ports.held_by, h.ports.ours = None, True
     h.step(n=12)
     assert h.sup.state == State.READY and len(h.children) == 2
-    assert h.sup.crashes.budget.count(h.t) == 0 and h.sup.exit_code is None
+    assert h.sup.restarts.crashes.budget.count(h.t) == 0 and h.sup.exit_code is None
 
 
 def test_vllm_dying_of_a_held_port_again_and_again_is_bounded() -> None:
@@ -205,7 +206,7 @@ def test_vllm_dying_of_a_held_port_again_and_again_is_bounded() -> None:
             h.children[-1].exit(1, [IN_USE])
         h.step(dt=1.0)
     assert h.sup.state == State.FAILED and h.sup.exit_code == 75
-    causes = [r.cause for r in h.sup.crashes.history]
+    causes = [r.cause for r in h.sup.restarts.crashes.history]
     assert causes[0] == "port_held" and "preflight" in causes
 
 

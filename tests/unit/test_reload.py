@@ -116,8 +116,8 @@ def test_vllm_change_while_loading_restarts_and_ready_once_for_the_new_one() -> 
     h.run_until(State.LOADING)
     first = h.child
     hup(h, cfg_with(vllm={"max_num_seqs": 4}))
-    assert h.sup.state == State.RESTARTING and h.sup.failure is not None
-    assert h.sup.failure.cause is Cause.RELOAD and protocol(h) == []
+    assert h.sup.state == State.RESTARTING and h.sup.restarts.failure is not None
+    assert h.sup.restarts.failure.cause is Cause.RELOAD and protocol(h) == []
     h.run_until(State.READY)
     assert h.child is not first and h.sup.launch_cfg.vllm.max_num_seqs == 4
     assert protocol(h) == ["READY=1"]
@@ -172,7 +172,7 @@ def test_a_reload_after_a_runtime_upgrade_restarts_vllm_on_it() -> None:
     assert "vllm 0.26.0 -> vllm 0.27.0" in h.failure.detail
     h.run_until(State.READY)
     assert h.sup.launch.runtime == "vllm 0.27.0"
-    assert h.sup.crashes.budget.count(h.clock.t) == 0  # not a failure
+    assert h.sup.restarts.crashes.budget.count(h.clock.t) == 0  # not a failure
 
 
 class Capped(CheckedGpu):

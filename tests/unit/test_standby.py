@@ -92,7 +92,7 @@ def test_awake_standby_is_built_beside_and_takes_over_a_crash_without_a_start() 
     assert h.sup.keeper.last_failover.ok and h.sup.keeper.last_failover.cause == "crash"
     assert [t.dst for t in h.events if isinstance(t, Transition)][-2:] == [S.RESTARTING,
                                                                            S.READY]
-    assert h.sup.crashes.restarts == 1  # the fault still counts (crash-loop budget)
+    assert h.sup.restarts.crashes.restarts == 1  # the fault still counts (crash-loop budget)
     assert "failover_done" in h.log.names()
 
 

@@ -80,8 +80,8 @@ class Harness:
     @property
     def failure(self) -> ExitVerdict:
         """The verdict on the last failure (there must be one)."""
-        assert self.sup.failure is not None
-        return self.sup.failure
+        assert self.sup.restarts.failure is not None
+        return self.sup.restarts.failure
 
     def spawn(self, launch: Launch) -> FakeChild:
         c = FakeChild()
@@ -141,7 +141,7 @@ def test_not_ready_before_health_and_load_timeout_restarts() -> None:
     h.step(1.0, n=50)
     assert h.sup.state == State.LOADING and "READY=1" not in h.notifier.sent
     h.run_until(State.RESTARTING)
-    assert h.sup.failure is not None and h.failure.cause is Cause.LOAD_TIMEOUT
+    assert h.sup.restarts.failure is not None and h.failure.cause is Cause.LOAD_TIMEOUT
     assert h.child.signals[0] == signal.SIGTERM
 
 
@@ -170,7 +170,7 @@ def test_engine_death_line_restarts_at_once_not_at_the_api_servers_exit() -> Non
     assert signal.SIGTERM in first.signals  # the group is stopped, not waited for
     assert "engine_died" in h.log.names()
     h.run_until(State.READY)
-    assert h.child is not first and h.sup.crashes.restarts == 1
+    assert h.child is not first and h.sup.restarts.crashes.restarts == 1
     # a late line of the old child says nothing about the new one
     h.sup.report_engine_dead(first, "vllm.v1.engine.exceptions.EngineDeadError: ...")
     h.step(0.1)
@@ -194,9 +194,9 @@ def test_exit_zero_is_a_failure_and_restarts_with_backoff() -> None:
     h.step(0.1)
     assert h.sup.state == State.RESTARTING
     assert h.failure.cause is Cause.EXIT_0
-    assert h.sup.restart_at == pytest.approx(h.clock.t + 1.0, abs=0.01)  # first backoff
+    assert h.sup.restarts.restart_at == pytest.approx(h.clock.t + 1.0, abs=0.01)  # first backoff
     h.run_until(State.READY)
-    assert h.child is not first and h.sup.crashes.restarts == 1
+    assert h.child is not first and h.sup.restarts.crashes.restarts == 1
     assert h.notifier.sent.count("READY=1") == 1  # READY=1 once per service start
 
 
@@ -208,7 +208,7 @@ def test_crash_loop_ends_in_failed_75() -> None:
         h.step(0.1, n=2)
     h.run_until(State.FAILED)
     assert h.sup.exit_code == 75
-    assert [r.cause for r in h.sup.crashes.history] == ["crash"] * 3
+    assert [r.cause for r in h.sup.restarts.crashes.history] == ["crash"] * 3
     delays = [kw["delay"] for _, e, kw in h.log.events if e == "restart_scheduled"]
     assert delays == [1.0, 2.0]
 
@@ -219,11 +219,11 @@ def test_stable_run_resets_backoff() -> None:
     h.child.exit(1)
     assert h.step(0.1) == State.RESTARTING
     h.run_until(State.READY)
-    assert h.sup.crashes.consecutive == 1
+    assert h.sup.restarts.crashes.consecutive == 1
     h.step(1.0, n=25)
-    assert h.sup.crashes.consecutive == 1
+    assert h.sup.restarts.crashes.consecutive == 1
     h.step(1.0, n=31)
-    assert h.sup.crashes.consecutive == 0
+    assert h.sup.restarts.crashes.consecutive == 0
 
 
 def test_config_error_in_preflight_is_78_without_spawning() -> None:
@@ -380,10 +380,10 @@ def test_the_loop_sleeps_until_the_next_deadline_not_a_fixed_tick() -> None:
     h.child.closed = True
     h.step(0.0)
     assert h.sup.state == State.RESTARTING and h.sup.child is None
-    assert h.sup.restart_at is not None
-    h.clock.t = h.sup.restart_at - 0.05
+    assert h.sup.restarts.restart_at is not None
+    h.clock.t = h.sup.restarts.restart_at - 0.05
     assert h.sup.next_wakeup(h.clock.t) == pytest.approx(0.05)  # the backoff ends on time
-    h.clock.t = h.sup.restart_at + 1.0
+    h.clock.t = h.sup.restarts.restart_at + 1.0
     h.sup.moved = False
     assert h.sup.next_wakeup(h.clock.t) == 0.2  # overdue (the GPU still held): no busy loop
     h.step(0.0)
@@ -632,9 +632,9 @@ def test_a_restart_we_asked_for_keeps_its_cause_whatever_the_tail_says() -> None
     h.run_until(State.RESTARTING)
     stopped.tail = ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB"]
     h.run_until(State.PREFLIGHT, dt=0.25)
-    assert h.sup.failure is not None and h.sup.failure.cause is Cause.HANG
+    assert h.sup.restarts.failure is not None and h.sup.restarts.failure.cause is Cause.HANG
     assert "exit_classified" not in h.log.names()
-    assert h.sup.crashes.history[-1].cause == Cause.HANG.value
+    assert h.sup.restarts.crashes.history[-1].cause == Cause.HANG.value
 
 
 def test_second_sigterm_skips_drain() -> None:
@@ -683,7 +683,8 @@ def test_sighup_vllm_change_is_a_controlled_restart_not_a_failure() -> None:
     h.step(0.1)
     assert h.sup.state == State.RESTARTING and h.failure.cause is Cause.RELOAD
     h.run_until(State.READY)
-    assert h.sup.crashes.budget.count(h.clock.t) == 0 and h.sup.crashes.restarts == 1
+    crashes = h.sup.restarts.crashes
+    assert crashes.budget.count(h.clock.t) == 0 and crashes.restarts == 1
 
 
 def test_warmup_failure_is_a_failed_start() -> None:
@@ -726,7 +727,7 @@ def test_canary_timeout_while_tokens_move_is_not_a_restart() -> None:
     h.probe.canary_ok = False
     h.probe.tokens_per_metrics = 7.0
     h.step(1.0, n=30)
-    assert h.sup.state == State.READY and h.sup.crashes.restarts == 0
+    assert h.sup.state == State.READY and h.sup.restarts.crashes.restarts == 0
     slow = [kw for lvl, e, kw in h.log.events if e == "canary_slow"]
     assert slow and all(lvl == "warning" for lvl, e, _ in h.log.events if e == "canary_slow")
     assert slow[0]["tokens_after"] > slow[0]["tokens_before"]
@@ -819,7 +820,7 @@ def test_output_wait_is_bounded_when_the_pipes_never_close() -> None:
     gone = h.clock.t
     h.run_until(State.PREFLIGHT, dt=0.25)
     assert h.clock.t - gone <= 2.0 + 1.0 + 0.5  # OUTPUT_WAIT + the first backoff
-    assert h.sup.failure is None or h.sup.crashes.history[-1].cause == "crash"
+    assert h.sup.restarts.failure is None or h.sup.restarts.crashes.history[-1].cause == "crash"
 
 
 def test_status_says_ready_after_a_restart() -> None:
@@ -857,7 +858,7 @@ def test_first_restart_after_a_stable_run_is_immediate_and_the_next_back_off() -
         h.child.exit(1, ["ValueError: boom"])
         h.step(0.1, n=2)
     h.run_until(State.READY)
-    assert h.sup.crashes.consecutive == 2
+    assert h.sup.restarts.crashes.consecutive == 2
     h.step(1.0, n=10)
     # the canary that fails is harvested in the same step that crosses stable_after
     h.probe.canary_ok, h.probe.canary_error = False, True
@@ -967,7 +968,7 @@ def test_a_warmup_cut_short_by_clients_is_ready_and_said(tmp_path: Path) -> None
     h.run_until(State.READY)
     cut = h.log.named("warmup_cut_short")
     assert len(cut) == 1 and cut[0]["reason"].startswith("engine busy with client requests")
-    assert h.sup.crashes.restarts == 0 and "READY=1" in h.notifier.sent
+    assert h.sup.restarts.crashes.restarts == 0 and "READY=1" in h.notifier.sent
     assert not (tmp_path / steptime.FILE_NAME).exists()  # nothing measured: nothing written
 
 
