@@ -14,8 +14,9 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
-from qwen4090.config import WatchConfig
+from qwen4090.config import StopConfig, WatchConfig
 from qwen4090.contracts import GpuLike, LogLike
+from qwen4090.results import FrontSample
 from qwen4090.run import Role, Run, Task
 
 
@@ -98,6 +99,50 @@ class Engines:
                       held=gpu.held(v.gpu.device, self.gpu_pids))
         self.gpu_pids = []
         return True
+
+    # --- the daemon's stop ------------------------------------------------------------------
+
+    def begin_stop(self, now: float, stop: StopConfig, drain: bool) -> None:
+        """SIGTERM: the serving row drains first when it serves (``drain``) and
+        stop.drain_timeout allows, else its group is signalled at once (the standby's row
+        was retired by its keeper)."""
+        run = self.serving
+        if run is None:
+            return
+        run.cancel_tasks()
+        if drain and stop.drain_timeout > 0:
+            run.start_drain(now, stop.drain_timeout)
+        else:
+            run.begin_kill(now, stop.term_timeout)
+
+    def skip_drain(self, now: float, stop: StopConfig, why: str) -> None:
+        """A second stop request while draining: no more draining, the group is signalled."""
+        run = self.serving
+        if run is not None and run.drain is not None:
+            self.log.warning("drain_skipped", reason=why)
+            run.drain = None
+            run.begin_kill(now, stop.term_timeout)
+
+    def step_stop(self, now: float, stop: StopConfig, health_timeout: float,
+                  front: FrontSample | None, since: float) -> bool:
+        """One step of the stop: the drain's next look (and its end, said in the journal),
+        then the groups' TERM and KILL; True once no row is left."""
+        run = self.serving
+        if run is not None and run.drain is not None:
+            over = run.drain_step(now, health_timeout, front)
+            if over is not None:
+                hurry, fields = over
+                fields["seconds"] = round(now - since, 2)
+                if hurry:
+                    self.log.warning("drain_timeout", timeout=stop.drain_timeout, **fields)
+                self.log.info("drained", **fields)
+                run.begin_kill(now, stop.term_timeout, hurry=hurry or None)
+            return False
+        if run is not None:
+            if not run.reap_group(now):
+                return False
+            self.drop(run, now)
+        return self.reap_retiring(now)
 
     # --- every row the same way -----------------------------------------------------------
 

@@ -224,12 +224,8 @@ class Supervisor:
     def handle_stop(self, now: float, why: str) -> None:
         if self.done:
             return
-        run = self.run
         if self.state == S.STOPPING:
-            if run is not None and run.drain is not None:  # a second request: no more draining
-                self.log.warning("drain_skipped", reason=f"second {why}")
-                run.drain = None
-                run.begin_kill(now, self.cfg.stop.term_timeout)
+            self.engines.skip_drain(now, self.cfg.stop, f"second {why}")
             return
         serving = self.state in states.SERVING_STATES
         self.tell.stopping(f"stopping: {why}")
@@ -237,13 +233,7 @@ class Supervisor:
         self.p.front.command(Drain())
         self.takeover.end()
         self.keeper.discard(now, f"stopping: {why}", self.cfg.stop.term_timeout)
-        if run is None:
-            return
-        run.cancel_tasks()
-        if serving and self.cfg.stop.drain_timeout > 0:
-            run.start_drain(now, self.cfg.stop.drain_timeout)
-        else:
-            run.begin_kill(now, self.cfg.stop.term_timeout)
+        self.engines.begin_stop(now, self.cfg.stop, serving)
 
     def handle_reload(self, now: float) -> None:
         """SIGHUP: read the config again; a broken one is refused and the old one stays.
@@ -616,30 +606,12 @@ class Supervisor:
                                          self.cfg.gpu.release_timeout)
 
     def step_stopping(self, now: float) -> None:
-        run = self.run
-        if run is None:
-            if self.engines.reap_retiring(now):  # the standby's group is gone too
-                self.finish_stop(now)
-            return
-        if run.drain is not None:
-            over = run.drain_step(now, self.cfg.watch.health_timeout, self.p.front.sample())
-            if over is not None:
-                hurry, fields = over
-                fields["seconds"] = round(now - self.state_since, 2)
-                if hurry:
-                    self.log.warning("drain_timeout", timeout=self.cfg.stop.drain_timeout,
-                                     **fields)
-                self.log.info("drained", **fields)
-                run.begin_kill(now, self.cfg.stop.term_timeout, hurry=hurry or None)
-            return
-        if run.reap_group(now):
-            self.engines.drop(run, now)
-            if self.engines.reap_retiring(now):
-                self.finish_stop(now)
-
-    def finish_stop(self, now: float) -> None:
-        self.exit_code = EX_OK
-        self.transition(now, S.STOPPED, "stopped")
+        """The drain, then every group's TERM and KILL (engines.py); STOPPED once none is
+        left."""
+        if self.engines.step_stop(now, self.cfg.stop, self.cfg.watch.health_timeout,
+                                  self.p.front.sample(), self.state_since):
+            self.exit_code = EX_OK
+            self.transition(now, S.STOPPED, "stopped")
 
     def step_stopped(self, now: float) -> None:
         pass
