@@ -219,11 +219,11 @@ def serve_with(args: argparse.Namespace, cfg: Config, log: LogLike, inst: instan
     sup: Supervisor  # built below; vLLM's lines and the NVML threads report to it
 
     def engine_dead(c: child.VllmChild, line: str) -> None:  # a pipe reader's thread
-        sup.report_engine_dead(c, line)
+        sup.inbox.engine_dead(c, line)
         wake.wake()
 
     def gpu_fault(detail: str) -> None:  # NVML's thread: queue it and wake the loop
-        sup.report_gpu_fault(detail)
+        sup.inbox.gpu_fault(detail)
         wake.wake()
 
     sink = child.LineRouter(logs.get_logger(source="vllm"), logs.vllm_level,
@@ -243,7 +243,7 @@ def serve_with(args: argparse.Namespace, cfg: Config, log: LogLike, inst: instan
     )
     sup = Supervisor(cfg, parts, signals=pending)
     parts.listeners += [watch]
-    gpu.start_watch(cfg, gpu_fault, sup.report_gpu_sample)  # samples: /status, /metrics
+    gpu.start_watch(cfg, gpu_fault, sup.inbox.gpu_sample)  # samples: /status, /metrics
     sources: list[httpapi.StatusSource] = [watch, pre, door]
     api = start_status(sup, log, sources=sources)  # /status, /metrics, /livez, /readyz
     parts.listeners.append(reload_fanout(sup, gpu, api, gpu_fault, door))
@@ -402,7 +402,7 @@ def reload_fanout(sup: Supervisor, gpu: GpuParts, api: httpapi.StatusApi,
             sup.log.info("logging_reconfigured", format=chosen, log_level=cfg.log.level)
         if "gpu" in changed:
             gpu.stop_watch()
-            gpu.start_watch(cfg, on_gpu_fault, sup.report_gpu_sample)
+            gpu.start_watch(cfg, on_gpu_fault, sup.inbox.gpu_sample)
             sup.log.info("gpu_watch_restarted", device=cfg.gpu.device,
                          running=gpu.watch is not None,
                          sample_interval=cfg.gpu.sample_interval,

@@ -98,3 +98,19 @@ class Inbox:
     signals: deque[int] = field(default_factory=deque)
     gpu: deque[Event | str] = field(default_factory=deque)
     engine_deaths: deque[tuple[object, str]] = field(default_factory=deque)
+
+    def deliver(self, signum: int) -> None:
+        """A signal (from the signal handler)."""
+        self.signals.append(signum)
+
+    def gpu_fault(self, detail: str) -> None:
+        """A fatal Xid (from the NVML thread)."""
+        self.gpu.append(detail)
+
+    def gpu_sample(self, fields: dict[str, Any]) -> None:
+        """An NVML sample (from the sample thread)."""
+        self.gpu.append(GpuSampled(fields))
+
+    def engine_dead(self, child: object, line: str) -> None:
+        """vLLM's line that its EngineCore died (from a pipe reader thread)."""
+        self.engine_deaths.append((child, line))

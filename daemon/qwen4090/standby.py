@@ -29,7 +29,7 @@ from typing import Any
 from qwen4090.config import Config
 from qwen4090.contracts import ChildLike, LogLike
 from qwen4090.engines import Engines
-from qwen4090.launchvalue import Launch
+from qwen4090.launchvalue import Endpoint, Launch
 from qwen4090.policy import Cause, ExitVerdict
 from qwen4090.redact import safe_error
 from qwen4090.results import CompletionResult, FrontSample, HealthResult, Patient, ProbeLike
@@ -174,6 +174,9 @@ class Keeper:
     submit: Callable[[Callable[[], Any]], Any]
     clock: Callable[[], float]
     engines: Engines
+    # the GPU part's resolver: a config's launch on the engine endpoint other than the one
+    # given (the serving engine's), with its fixed KV budget
+    launch_for: Callable[[Config, Endpoint | None], Launch]
     phase: Phase = Phase.NONE
     since: float = 0.0
     answer: str | None = None  # its known answer, taken before it slept
@@ -304,7 +307,7 @@ class Keeper:
                 and now - self.quiet_since >= cfg.restart.standby_quiet)
 
     def begin(self, now: float, serving: Run,
-              standby_launch: Callable[[], Launch]) -> Ask | None:
+              cfg: Config) -> Ask | None:
         """Begin a build: sleep mode holds requests, waits for those in flight, asks the
         serving engine for its known answer and puts it to sleep, then spawns the standby;
         awake mode spawns the standby at once, beside the serving engine."""
@@ -314,7 +317,7 @@ class Keeper:
                       serving_pid=serving.child.pid)
         if not self.sleeps:
             self.build.step = "standby"
-            self.start_standby(now, standby_launch())
+            self.start_standby(now, self.launch_for(cfg, serving.launch.engine))
             if self.run is None:
                 self.build = None
             return None
@@ -324,7 +327,7 @@ class Keeper:
 
     def start_standby(self, now: float, launch: Launch) -> None:
         """Spawn the standby: the serving engine's settings (and KV budget) on the engine
-        endpoint the serving engine does not hold (Supervisor.standby_launch)."""
+        endpoint the serving engine does not hold (``launch_for``)."""
         try:
             # the probe first: its key file read may fail too (no file descriptor left), and a
             # spawned child without a Run would be nobody's to stop
@@ -482,7 +485,7 @@ class Keeper:
         return []
 
     def on_serving_job(self, now: float, kind: Job, result: Any, serving: Run,
-                       standby_launch: Callable[[], Launch]) -> list[Ask]:
+                       cfg: Config) -> list[Ask]:
         """The serving engine's answers during a build (sleep mode)."""
         b = self.build
         if b is None:
@@ -500,7 +503,7 @@ class Keeper:
                 self.build_failed(now, f"the serving engine did not sleep: {result.error}")
                 return self._wake_after(now, b, serving)
             b.step, b.step_since = "standby", now
-            self.start_standby(now, standby_launch())
+            self.start_standby(now, self.launch_for(cfg, serving.launch.engine))
             if self.run is None:  # could not even start
                 return self._wake_after(now, b, serving)
         elif kind is Job.BUILD_WAKE and b.step == "wake":

@@ -27,13 +27,12 @@ from qwen4090.contracts import ChildLike, Parts, Published
 from qwen4090.engines import Engines
 from qwen4090.events import (
     ChildExitSeen,
-    GpuSampled,
     Inbox,
     Reloaded,
     Transition,
     WarmedUp,
 )
-from qwen4090.launchvalue import Launch, engine_endpoint
+from qwen4090.launchvalue import engine_endpoint
 from qwen4090.policy import (
     EX_GPU,
     EX_OK,
@@ -95,7 +94,7 @@ class Supervisor:
         self.keeper = Keeper(cfg.restart.standby if cfg.front.enabled else "off", self.log,
                              parts.spawn, parts.make_probe,
                              lambda fn: self.p.executor.submit(fn), parts.clock, self.engines,
-                             since=now)
+                             lambda c, e: self.p.gpu.launch(c, e), since=now)
         # the takeover of the failure being handled (RESTARTING's sub-state; takeover.py)
         self.takeover = Takeover(self.engines, self.keeper, self.log, self.tell.emit)
         self.published = Published({}, cfg, None, now)
@@ -125,22 +124,6 @@ class Supervisor:
     @property
     def done(self) -> bool:
         return self.state in states.FINAL_STATES
-
-    def deliver(self, signum: int) -> None:
-        """Queue a signal (called from the signal handler: only an append)."""
-        self.inbox.signals.append(signum)
-
-    def report_gpu_fault(self, detail: str) -> None:
-        """A fatal Xid (called from the NVML thread: only an append)."""
-        self.inbox.gpu.append(detail)
-
-    def report_gpu_sample(self, fields: dict[str, Any]) -> None:
-        """An NVML sample (called from the sample thread: only an append)."""
-        self.inbox.gpu.append(GpuSampled(fields))
-
-    def report_engine_dead(self, child: object, line: str) -> None:
-        """vLLM's line that its EngineCore died (from a pipe reader thread: only an append)."""
-        self.inbox.engine_deaths.append((child, line))
 
     def next_wakeup(self, now: float) -> float:
         """Seconds the loop may sleep before the next step is due: the earliest deadline of the
@@ -316,7 +299,7 @@ class Supervisor:
                                                    self.serving_run()))
         elif job in BUILD_JOBS:  # the serving engine's sleep and wake around a build
             self.carry_out(now, self.keeper.on_serving_job(now, job, result, run,
-                                                           self.standby_launch))
+                                                           self.cfg))
         else:
             handlers: dict[Job, Callable[[float, Any, float], None]] = {
                 Job.HEALTH: self.on_health, Job.WARMUP: self.on_warmup, Job.POLL: self.on_poll,
@@ -399,7 +382,7 @@ class Supervisor:
         k.note_quiet(now, front, serving=self.state is S.READY)
         self.carry_out(now, k.step(now, self.cfg, self.p.ports, serving, front))
         if serving is not None and k.due(now, self.state, self.cfg):
-            ask = k.begin(now, serving, self.standby_launch)
+            ask = k.begin(now, serving, self.cfg)
             if ask is not None:
                 self.carry_out(now, [ask])
 
@@ -421,11 +404,6 @@ class Supervisor:
     def serving_run(self) -> Run | None:
         """The serving row's run while it serves (or sleeps for a build), else None."""
         return self.run if self.state in ROW_SERVES else None
-
-    def standby_launch(self) -> Launch:
-        """The standby's launch: the serving engine's settings (and its fixed KV budget) on
-        the engine endpoint the serving engine does not hold."""
-        return self.p.gpu.launch(self.cfg, self.run.launch.engine if self.run else None)
 
     def step_rebuilding(self, now: float) -> None:
         """The serving engine sleeps (or wakes) for a standby's build: no polls nor canaries

@@ -409,7 +409,7 @@ def test_the_supervisor_steers_a_real_front_by_its_commands(upstream: Upstream) 
         assert wait_until(lambda: f.sample().holding == 1)
         h.run_until(State.READY)  # the next engine (a new pid): served, the held one answered
         assert held.get()[0] == 200
-        h.sup.deliver(signal.SIGTERM)
+        h.sup.inbox.deliver(signal.SIGTERM)
         h.step()
         assert wait_until(lambda: f.sample().draining)
     finally:

@@ -188,7 +188,7 @@ def step_until_gpu(h: Harness, port: int, want: Any = None) -> dict[str, Any]:
 def test_watch_samples_reach_status_and_metrics(served: tuple[Harness, int, gpu.GpuParts]
                                                 ) -> None:
     h, port, parts = served
-    parts.start_watch(h.sup.cfg, h.sup.report_gpu_fault, h.sup.report_gpu_sample)
+    parts.start_watch(h.sup.cfg, h.sup.inbox.gpu_fault, h.sup.inbox.gpu_sample)
     doc = step_until_gpu(h, port)
     assert doc["index"] == 0 and doc["memory_used_bytes"] == 20480 * 1024 ** 2
     assert doc["temperature_celsius"] == 41 and doc["throttle"] == "none"

@@ -291,7 +291,7 @@ def test_oom_exit_steps_down_and_relaunches_with_the_new_setting() -> None:
 def test_fatal_xid_while_ready_stops_the_loop_with_its_own_exit_code() -> None:
     h = Harness()
     h.run_until(State.READY)
-    h.sup.report_gpu_fault("Xid 79 (GPU has fallen off the bus): the machine needs a reboot")
+    h.sup.inbox.gpu_fault("Xid 79 (GPU has fallen off the bus): the machine needs a reboot")
     h.run_until(State.FAILED)
     assert h.sup.exit_code == EX_GPU == 69
     assert len(h.children) == 1  # never relaunched
@@ -304,7 +304,7 @@ def test_fatal_xid_while_restarting_ends_in_failed() -> None:
     h.child.exit(0)
     h.step(0.1)
     assert h.sup.state == State.RESTARTING
-    h.sup.report_gpu_fault("Xid 48 (double-bit ECC error)")
+    h.sup.inbox.gpu_fault("Xid 48 (double-bit ECC error)")
     h.step(0.1)
     assert h.sup.state == State.FAILED and h.sup.exit_code == EX_GPU
 

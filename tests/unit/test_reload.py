@@ -43,7 +43,7 @@ def protocol(h: Harness) -> list[str]:
 
 def hup(h: Harness, to: Any) -> None:
     h.reload_to = to
-    h.sup.deliver(signal.SIGHUP)
+    h.sup.inbox.deliver(signal.SIGHUP)
     h.step(0.1)
 
 
@@ -286,8 +286,8 @@ def test_reload_fanout_restarts_the_gpu_watch(tmp_path: Path) -> None:
     py = fake_venv(tmp_path / "venv")
     h = Harness(raw={"vllm": {"command": [str(py)]}, "gpu": {"sample_interval": 3600.0}})
     parts = gpu.GpuParts(h.log, env={})
-    parts.start_watch(h.sup.cfg, h.sup.report_gpu_fault, h.sup.report_gpu_sample)
-    h.sup.p.listeners.append(cli.reload_fanout(h.sup, parts, unserved(h), h.sup.report_gpu_fault))
+    parts.start_watch(h.sup.cfg, h.sup.inbox.gpu_fault, h.sup.inbox.gpu_sample)
+    h.sup.p.listeners.append(cli.reload_fanout(h.sup, parts, unserved(h), h.sup.inbox.gpu_fault))
     try:
         first = parts.watch
         assert first is not None and first.interval == 3600.0

@@ -95,7 +95,7 @@ def reloaded(dotted: str) -> tuple[Harness, Any]:
     except ConfigError as e:  # the test's alternate broke a rule: say which, to fix ALTERNATE
         raise AssertionError(f"{dotted}: the alternate value is refused: {e}") from None
     h.reload_to = new
-    h.sup.deliver(signal.SIGHUP)
+    h.sup.inbox.deliver(signal.SIGHUP)
     h.step(0.1)
     return h, new
 

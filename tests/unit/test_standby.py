@@ -231,7 +231,7 @@ def test_a_standby_that_dies_is_rebuilt_after_a_backoff() -> None:
 def test_stop_stops_the_standby_too() -> None:
     h = StandbyHarness("awake")
     h.standby_ready()
-    h.sup.deliver(signal.SIGTERM)
+    h.sup.inbox.deliver(signal.SIGTERM)
     h.until(lambda: h.sup.done)
     assert not h.children[0].alive and not h.children[1].alive
 

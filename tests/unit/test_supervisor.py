@@ -163,7 +163,7 @@ def test_engine_death_line_restarts_at_once_not_at_the_api_servers_exit() -> Non
     h = Harness()
     h.run_until(State.READY)
     first = h.child
-    h.sup.report_engine_dead(first, "[shutdown] MPClient: engine core exited unexpectedly")
+    h.sup.inbox.engine_dead(first, "[shutdown] MPClient: engine core exited unexpectedly")
     h.step(0.1)
     assert h.sup.state == State.RESTARTING
     assert h.failure.cause is Cause.ENGINE_DEAD
@@ -172,7 +172,7 @@ def test_engine_death_line_restarts_at_once_not_at_the_api_servers_exit() -> Non
     h.run_until(State.READY)
     assert h.child is not first and h.sup.restarts.crashes.restarts == 1
     # a late line of the old child says nothing about the new one
-    h.sup.report_engine_dead(first, "vllm.v1.engine.exceptions.EngineDeadError: ...")
+    h.sup.inbox.engine_dead(first, "vllm.v1.engine.exceptions.EngineDeadError: ...")
     h.step(0.1)
     assert h.sup.state == State.READY
 
@@ -181,7 +181,7 @@ def test_engine_death_after_an_oom_text_is_an_oom_for_the_ladder() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.child.tail = ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"]
-    h.sup.report_engine_dead(h.child, "[shutdown] MPClient: engine core exited unexpectedly")
+    h.sup.inbox.engine_dead(h.child, "[shutdown] MPClient: engine core exited unexpectedly")
     h.step(0.1)
     assert h.failure.cause is Cause.OOM
 
@@ -458,7 +458,7 @@ def test_sigterm_drains_then_stops_group() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.probe.running, h.probe.tokens = 2.0, 5.0
-    h.sup.deliver(signal.SIGTERM)
+    h.sup.inbox.deliver(signal.SIGTERM)
     h.step(0.1)
     assert h.sup.state == State.STOPPING and "STOPPING=1" in h.notifier.sent
     h.step(0.5, n=4)
@@ -474,7 +474,7 @@ def test_stop_escalates_to_sigkill_after_term_timeout() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.child.ignores_term = True  # and its EngineCore stays: nothing says "hurry"
-    h.sup.deliver(signal.SIGTERM)
+    h.sup.inbox.deliver(signal.SIGTERM)
     h.step(0.1)
     h.step(0.1, n=2)  # the drain sample, in two parts (connections, then gauges): idle
     assert h.child.signals == [signal.SIGTERM, signal.SIGCONT]
@@ -500,7 +500,7 @@ def test_drain_waits_for_the_fronts_requests_though_the_gauges_read_zero() -> No
         return False
 
     h.executor.hold = note
-    h.sup.deliver(signal.SIGTERM)
+    h.sup.inbox.deliver(signal.SIGTERM)
     h.step(0.1)
     h.step(0.5, n=20)
     assert h.sup.state == State.STOPPING and h.child.signals == []
@@ -523,7 +523,7 @@ def test_the_drain_is_not_over_before_the_front_stopped_taking_requests() -> Non
     front.draining = False
     h = Harness({"stop": {"drain_timeout": 30.0}}, front=front)
     h.run_until(State.READY)
-    h.sup.deliver(signal.SIGTERM)
+    h.sup.inbox.deliver(signal.SIGTERM)
     h.step(0.1)
     h.step(0.5, n=4)
     assert h.sup.state == State.STOPPING and "drained" not in h.log.names()
@@ -538,7 +538,7 @@ def test_drain_without_the_front_waits_for_the_gauges() -> None:
     h = Harness({"stop": {"drain_timeout": 30.0}})
     h.run_until(State.READY)
     h.probe.running = 2.0
-    h.sup.deliver(signal.SIGTERM)
+    h.sup.inbox.deliver(signal.SIGTERM)
     h.step(0.1)
     h.step(0.5, n=10)
     assert h.sup.state == State.STOPPING and h.child.signals == []
@@ -555,7 +555,7 @@ def test_drain_that_cannot_tell_is_busy_until_the_deadline() -> None:
     h.run_until(State.READY)
     h.probe.metrics_fail = True  # the gauges cannot be read
     h.child.ignores_term = True
-    h.sup.deliver(signal.SIGTERM)
+    h.sup.inbox.deliver(signal.SIGTERM)
     stop = h.clock.t
     h.step(0.1)
     h.step(0.25, n=15)
@@ -580,7 +580,7 @@ def test_drain_reads_the_front_while_the_metrics_probe_hangs() -> None:
     h.run_until(State.READY)
     front.in_flight = 8
     h.executor.hold = lambda fn: "_drain_gauges_job" in getattr(fn, "__qualname__", "")
-    h.sup.deliver(signal.SIGTERM)
+    h.sup.inbox.deliver(signal.SIGTERM)
     h.step(0.1)
     h.run_until(State.STOPPED, dt=0.25)
     drained = next(kw for _, e, kw in h.log.events if e == "drained")
@@ -641,9 +641,9 @@ def test_second_sigterm_skips_drain() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.probe.running = 1.0
-    h.sup.deliver(signal.SIGTERM)
+    h.sup.inbox.deliver(signal.SIGTERM)
     h.step(0.1)
-    h.sup.deliver(signal.SIGINT)
+    h.sup.inbox.deliver(signal.SIGINT)
     h.step(0.1)
     assert h.child.signals == [signal.SIGTERM, signal.SIGCONT]
 
@@ -653,7 +653,7 @@ def test_sighup_with_broken_config_keeps_serving() -> None:
     h = Harness(reload_to=err)
     h.run_until(State.READY)
     child = h.child
-    h.sup.deliver(signal.SIGHUP)
+    h.sup.inbox.deliver(signal.SIGHUP)
     h.step(0.1)
     assert h.sup.state == State.READY and h.child is child and not child.signals
     assert "reload_refused" in h.log.names()
@@ -669,7 +669,7 @@ def test_sighup_supervisor_setting_applies_live() -> None:
     h.reload_to = new
     h.run_until(State.READY)
     child = h.child
-    h.sup.deliver(signal.SIGHUP)
+    h.sup.inbox.deliver(signal.SIGHUP)
     h.step(0.1)
     assert h.sup.state == State.READY and h.child is child and h.sup.cfg.watch.hang_timeout == 3
     assert h.run.serving.hang.hang_timeout == 3
@@ -679,7 +679,7 @@ def test_sighup_vllm_change_is_a_controlled_restart_not_a_failure() -> None:
     h = Harness()
     h.run_until(State.READY)
     h.reload_to = from_dict({"vllm": {"max_num_seqs": 4}})
-    h.sup.deliver(signal.SIGHUP)
+    h.sup.inbox.deliver(signal.SIGHUP)
     h.step(0.1)
     assert h.sup.state == State.RESTARTING and h.failure.cause is Cause.RELOAD
     h.run_until(State.READY)
@@ -883,7 +883,7 @@ def test_reload_that_shortens_the_poll_interval_acts_from_the_last_poll() -> Non
     h.step(0.5, n=45)  # a poll went out; the next is ~20 s away
     h.reload_to = from_dict({"watch": {"poll_interval": 1.0, "canary_interval": 0.0,
                                        "unhealthy_timeout": 3.0}})
-    h.sup.deliver(signal.SIGHUP)
+    h.sup.inbox.deliver(signal.SIGHUP)
     h.step(0.1)
     h.probe.healthy = False
     stopped = h.clock.t
@@ -988,7 +988,7 @@ def test_the_longest_step_is_logged_stored_and_held_against_hang_timeout(
         h.reload_to = from_dict({"watch": {**_watch(base), "hang_timeout": hang},
                                  "restart": _restart(base), "stop": _stop(base),
                                  "gpu": {"state_directory": str(tmp_path)}})
-        h.sup.deliver(signal.SIGHUP)
+        h.sup.inbox.deliver(signal.SIGHUP)
         h.step(0.1)
         assert len(h.log.named("hang_timeout_too_short")) == warned
     assert h.sup.state is State.READY and h.run.serving.hang.hang_timeout == 12.0
