@@ -225,8 +225,8 @@ class Keeper:
         return serving and self.ready and verdict.retry and verdict.cause in TAKES_OVER
 
     def promote(self, now: float, f: Failover) -> Run:
-        """The failover: the standby's run becomes the serving one; its wake (sleep mode) or
-        straight its check (awake) is sent.  The supervisor harvests ``failover_*`` jobs."""
+        """The failover: the standby's row becomes the serving one, with its known answer and
+        KV size handed to the takeover (takeover.py sends its wake or its check)."""
         run = self.run
         assert run is not None and self.phase is Phase.READY
         self.engines.promote(run)
@@ -234,14 +234,6 @@ class Keeper:
         f.kv_tokens, f.promoted = self.kv_tokens, now
         self.phase, self.since = Phase.WAKING, now
         f.answer, self.answer = self.answer, None
-        timeout = run.config.restart.wake_timeout
-        if self.sleeps:
-            f.to(Step.WAKE, now)
-            run.submit(now, Job.FAILOVER_WAKE, control_job(run.probe, "/wake_up", timeout))
-        else:
-            f.woken = now
-            f.to(Step.CHECK, now)
-            run.submit(now, Job.FAILOVER_CHECK, check_job(run.probe, timeout))
         return run
 
     def failover_done(self, now: float, f: Failover, ok: bool) -> None:

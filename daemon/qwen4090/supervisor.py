@@ -301,11 +301,7 @@ class Supervisor:
             self.carry_out(now, self.keeper.on_serving_job(now, job, result, run,
                                                            self.cfg))
         else:
-            handlers: dict[Job, Callable[[float, Any, float], None]] = {
-                Job.HEALTH: self.on_health, Job.WARMUP: self.on_warmup, Job.POLL: self.on_poll,
-                Job.CANARY: self.on_canary, Job.FAILOVER_WAKE: self.on_failover_wake,
-                Job.FAILOVER_CHECK: self.on_failover_check}
-            handlers[job](now, result, task.started)
+            HANDLERS[job](self, now, result, task.started)
 
     def on_failover_wake(self, now: float, res: HealthResult, started: float) -> None:
         if self.run is not None:
@@ -685,3 +681,11 @@ class Supervisor:
             front=self.p.front.sample(),
             standby=self.keeper.phase.value if self.keeper.on else "",
             waking=self.takeover.waking)
+
+
+# The serving row's own jobs, each to its handler (Supervisor.route: the one place results go).
+HANDLERS: dict[Job, Callable[[Supervisor, float, Any, float], None]] = {
+    Job.HEALTH: Supervisor.on_health, Job.WARMUP: Supervisor.on_warmup,
+    Job.POLL: Supervisor.on_poll, Job.CANARY: Supervisor.on_canary,
+    Job.FAILOVER_WAKE: Supervisor.on_failover_wake,
+    Job.FAILOVER_CHECK: Supervisor.on_failover_check}

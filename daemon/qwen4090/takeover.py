@@ -17,7 +17,7 @@ from qwen4090.engines import Engines
 from qwen4090.events import Event, StandbyWoken
 from qwen4090.results import CompletionResult, HealthResult
 from qwen4090.run import Job, Run
-from qwen4090.standby import Failover, Keeper, Step, check_job
+from qwen4090.standby import Failover, Keeper, Step, check_job, control_job
 
 
 class Takeover:
@@ -71,9 +71,21 @@ class Takeover:
         run = self.keeper.promote(now, f)  # its row serves now
         self.log.info("failover_started", cause=f.cause, pid=run.child.pid,
                       port=run.launch.engine.port, asleep=self.keeper.sleeps)
-        if not self.keeper.sleeps:  # awake: nothing to wake, its check is on the way
+        timeout = run.config.restart.wake_timeout
+        if self.keeper.sleeps:
+            f.to(Step.WAKE, now)
+            run.submit(now, Job.FAILOVER_WAKE, control_job(run.probe, "/wake_up", timeout))
+        else:  # awake: nothing to wake
+            f.woken = now
+            self._check(now, f, run, timeout)
             self.emit(StandbyWoken(0.0))
         return True
+
+    def _check(self, now: float, f: Failover, run: Run, timeout: float) -> None:
+        """Its known answer is asked for (the one place: awake, or once woken)."""
+        if f.step is not Step.CHECK:
+            f.to(Step.CHECK, now)
+        run.submit(now, Job.FAILOVER_CHECK, check_job(run.probe, timeout))
 
     def on_wake(self, now: float, run: Run, res: HealthResult, started: float,
                 cfg: Config) -> None:
@@ -84,7 +96,7 @@ class Takeover:
             self.failed(now, why, cfg)
             return
         self.emit(StandbyWoken(now - started))
-        run.submit(now, Job.FAILOVER_CHECK, check_job(run.probe, cfg.restart.wake_timeout))
+        self._check(now, f, run, cfg.restart.wake_timeout)
 
     def on_check(self, now: float, run: Run, res: CompletionResult, cfg: Config) -> bool:
         """The promoted standby's known answer: True when it serves now."""
