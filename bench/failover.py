@@ -67,7 +67,7 @@ from tests.support.daemon import Daemon  # noqa: E402
 from tests.support.load import Load, Outcome  # noqa: E402
 from tests.support.runtime import free_port, write_toml  # noqa: E402
 
-from qwen4090.config import WatchConfig  # noqa: E402
+from qwen4090.settings.config import WatchConfig  # noqa: E402
 
 KINDS = ("kill-engine", "hang", "kill-api")
 BUILDING = ("starting", "loading", "warming", "checking", "sleeping")  # a standby on its way

@@ -40,8 +40,8 @@ sys.path[:0] = [str(ROOT / "daemon"), str(ROOT)]
 
 from tests.support.runtime import cpu_vllm, free_port  # noqa: E402
 
-from qwen4090 import front as front_mod  # noqa: E402
-from qwen4090.front import Front  # noqa: E402
+from qwen4090.engine import front as front_mod  # noqa: E402
+from qwen4090.engine.front import Front  # noqa: E402
 
 
 class Log:

@@ -38,12 +38,12 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
 import lab  # noqa: E402
 
-from qwen4090 import warmup  # noqa: E402
-from qwen4090.child import BASE_ENV  # noqa: E402
-from qwen4090.config import load  # noqa: E402
-from qwen4090.launch import render_argv  # noqa: E402
+from qwen4090.engine import warmup  # noqa: E402
+from qwen4090.engine.child import BASE_ENV  # noqa: E402
+from qwen4090.launching.launch import render_argv  # noqa: E402
 from qwen4090.probes import nvml  # noqa: E402
 from qwen4090.probes.http import VllmProbe  # noqa: E402
+from qwen4090.settings.config import load  # noqa: E402
 
 MIB = 1024 ** 2
 

@@ -31,10 +31,10 @@ sys.path.insert(0, str(ROOT / "daemon"))
 
 from tests.support.daemon import Daemon, Proc  # noqa: E402
 
-from qwen4090 import config as config_mod  # noqa: E402
-from qwen4090.child import render_env  # noqa: E402
-from qwen4090.launch import render_argv  # noqa: E402
+from qwen4090.engine.child import render_env  # noqa: E402
+from qwen4090.launching.launch import render_argv  # noqa: E402
 from qwen4090.probes.http import VllmProbe  # noqa: E402
+from qwen4090.settings import config as config_mod  # noqa: E402
 
 PROMPT = [500 + i % 300 for i in range(256)]  # 256 token ids
 

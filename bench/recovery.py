@@ -51,7 +51,7 @@ from tests.support import daemon as daemon_mod  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
 from tests.support.runtime import cpu_config, free_port, require_runtime, write_toml  # noqa: E402
 
-from qwen4090.config import RestartConfig  # noqa: E402
+from qwen4090.settings.config import RestartConfig  # noqa: E402
 
 STEPS = ("detected", "group_gone", "relaunched", "health", "ready")
 READY_TIMEOUT = 540.0

@@ -79,7 +79,7 @@ fi
 # The shipped config is generated from the code's defaults (a unit test keeps etc/ in sync).
 if [ ! -f "$TREE/etc/qwen4090/qwen4090.toml" ]; then
     mkdir -p "$TREE/etc/qwen4090"
-    PYTHONPATH=daemon python3 -c 'from qwen4090.config import render_toml; print(render_toml(), end="")' \
+    PYTHONPATH=daemon python3 -c 'from qwen4090.settings.config import render_toml; print(render_toml(), end="")' \
         >"$TREE/etc/qwen4090/qwen4090.toml"
 fi
 # One version, one content: the sources this build is made from, against what dist/ has.

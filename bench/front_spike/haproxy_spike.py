@@ -18,7 +18,7 @@ Experiments (issue 20 items):
           body above tune.bufsize, server set MAINT during the restart) and during a stream
   counts  (4, 5, 7) in-flight counts from 'show stat' and 'show sess', the age of the oldest
           request without a response byte from 'show sess all', retry/error counters
-  cost    (8) bench/front_cost.py: direct vs HAProxy (vs qwen4090.front with --front-python)
+  cost    (8) bench/front_cost.py: direct vs HAProxy (vs qwen4090.engine.front with --front-python)
 
 Everything it starts runs in its own process group and is killed on the way out; every wait
 has a deadline. Standard library only.
@@ -422,7 +422,7 @@ def exp_stream(vllm: Vllm, work: Path, front_python: Path | None) -> None:
         ("direct", None), ("haproxy default", HaConf(no_delay=False)),
         ("haproxy option http-no-delay", HaConf(no_delay=True))]
     if front_python is not None:
-        paths.append(("qwen4090.front", None))
+        paths.append(("qwen4090.engine.front", None))
     try:
         for name, conf in paths:
             with contextlib.ExitStack() as stack:
@@ -430,7 +430,7 @@ def exp_stream(vllm: Vllm, work: Path, front_python: Path | None) -> None:
                 if conf is not None:
                     ha = stack.enter_context(Haproxy(work, engine.port, conf))
                     port, pid = ha.port, ha.proc.pid if ha.proc else None
-                elif front_python is not None and name == "qwen4090.front":
+                elif front_python is not None and name == "qwen4090.engine.front":
                     port, pid = stack.enter_context(
                         running_front(front_python, engine.port, work))
                 runs = [event_lags(port) for _ in range(10)]
@@ -646,7 +646,7 @@ def exp_counts(vllm: Vllm, work: Path) -> None:
 
 
 def exp_cost(vllm: Vllm, work: Path, front_python: Path | None, bench_args: list[str]) -> None:
-    """Item 8: bench/front_cost.py, direct vs HAProxy (vs qwen4090.front) in one run."""
+    """Item 8: bench/front_cost.py, direct vs HAProxy (vs qwen4090.engine.front) in one run."""
     with contextlib.ExitStack() as stack:
         ha = stack.enter_context(Haproxy(work, vllm.port, COST_CONF))
         assert ha.proc is not None
@@ -667,11 +667,12 @@ def exp_cost(vllm: Vllm, work: Path, front_python: Path | None, bench_args: list
 
 @contextlib.contextmanager
 def running_front(python: Path, engine_port: int, work: Path) -> Iterator[tuple[int, int]]:
-    """``python -m qwen4090.front`` alone in front of ``engine_port``: (its port, its pid)."""
+    """``python -m qwen4090.engine.front`` alone in front of ``engine_port``: (its port, its
+    pid)."""
     port = free_port()
     log = open(work / "front.log", "ab")  # noqa: SIM115 (the child's)
     front = subprocess.Popen(
-        [str(python), "-m", "qwen4090.front", "--listen", f"127.0.0.1:{port}",
+        [str(python), "-m", "qwen4090.engine.front", "--listen", f"127.0.0.1:{port}",
          "--engine", f"127.0.0.1:{engine_port}"],
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(ROOT / "daemon"), *filter(None, [os.environ.get("PYTHONPATH")])])),
@@ -680,7 +681,7 @@ def running_front(python: Path, engine_port: int, work: Path) -> Iterator[tuple[
     log.close()
     try:
         if not wait_for(lambda: _listening(port), 30, 0.1):
-            raise RuntimeError(f"qwen4090.front did not listen: {work / 'front.log'}")
+            raise RuntimeError(f"qwen4090.engine.front did not listen: {work / 'front.log'}")
         yield port, front.pid
     finally:
         stop_group(front, 5)
@@ -716,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=RUNTIME / "tiny-model")
     ap.add_argument("--front-python", type=Path,
                     help="a python with aiohttp and structlog: also bench 'python -m "
-                    "qwen4090.front' (daemon/ and $PYTHONPATH on its path)")
+                    "qwen4090.engine.front' (daemon/ and $PYTHONPATH on its path)")
     ap.add_argument("--bench-args", default="--concurrency 1 32 --requests 32 128 --rounds 4 "
                     "--prompt-len 256 --max-tokens 64", help="passed to bench/front_cost.py")
     ap.add_argument("--json", type=Path, help="write the observations here")

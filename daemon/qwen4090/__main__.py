@@ -1,5 +1,5 @@
 from __future__ import annotations
 
-from qwen4090.cli import main
+from qwen4090.commandline.cli import main
 
 raise SystemExit(main())

@@ -14,10 +14,10 @@ import lab
 import pytest
 from tests.support.fakes import Log
 
-from qwen4090 import gpu
-from qwen4090.config import load
+from qwen4090.decide.results import PreflightResult
+from qwen4090.launching import gpu
 from qwen4090.probes import nvml
-from qwen4090.results import PreflightResult
+from qwen4090.settings.config import load
 
 pytestmark = pytest.mark.gpu
 
@@ -107,7 +107,7 @@ def test_plan_reads_the_gpu_through_vllms_venv_when_python_has_no_pynvml(tmp_pat
                                                                          ) -> None:
     """The installed layout (issue 9.2): Debian's python3 cannot import pynvml; the package
     finds it in the venv that vllm.command runs in (here the kit's interpreter)."""
-    from qwen4090 import nvml_binding
+    from qwen4090.probes import nvml_binding
 
     venv = nvml_binding.runtime_venv([sys.executable])
     if not nvml_binding.runtime_candidates(venv):

@@ -13,9 +13,9 @@ from typing import Any
 import lab
 import pytest
 
-from qwen4090.child import BASE_ENV
-from qwen4090.config import load
-from qwen4090.launch import render_argv
+from qwen4090.engine.child import BASE_ENV
+from qwen4090.launching.launch import render_argv
+from qwen4090.settings.config import load
 
 pytestmark = pytest.mark.gpu
 

@@ -197,7 +197,8 @@ def test_the_bench_resolves_the_platform_the_server_does(tmp_path: Path) -> None
     resolves, CpuPlatform.  Under the old prelude it resolved UnspecifiedPlatform, which loads
     vllm._C, the AVX-512 kernels: on a CPU without AVX-512 every `vllm bench serve` died of
     SIGILL (issue 18.9); on this one it shows as the platform's name."""
-    from qwen4090 import bench, config
+    from qwen4090.commandline import bench
+    from qwen4090.settings import config
 
     cfg = config.load(write_toml(tmp_path / "q.toml", cpu_config(free_port())))
     argv = bench.bench_command(cfg, None)

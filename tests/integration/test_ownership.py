@@ -266,7 +266,7 @@ def test_a_record_whose_pid_was_reused_kills_nobody(tmp_path: Path) -> None:
     bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
     try:
         p = psutil.Process(bystander.pid)
-        from qwen4090.instance import ChildRecord, instance_name
+        from qwen4090.launching.instance import ChildRecord, instance_name
 
         port = free_port()
         rec = ChildRecord(bystander.pid, bystander.pid, p.create_time() - 5.0,

@@ -11,8 +11,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from qwen4090.kvbudget import FLAG
-from qwen4090.timeline import MARKS, RECOVERY_MARKS
+from qwen4090.engine.timeline import MARKS, RECOVERY_MARKS
+from qwen4090.launching.kvbudget import FLAG
 from tests.support.daemon import Daemon
 from tests.support.runtime import cpu_config, free_port, write_toml
 

@@ -7,10 +7,11 @@ import signal
 from concurrent.futures import Future
 from typing import Any
 
-from qwen4090.config import Config
-from qwen4090.launch import configured
-from qwen4090.launchvalue import Endpoint, Launch
-from qwen4090.policy import ExitVerdict
+from qwen4090.base.steering import FrontCommand
+from qwen4090.decide.policy import ExitVerdict
+from qwen4090.decide.results import FrontSample, PreflightResult
+from qwen4090.launching.launch import configured
+from qwen4090.launching.launchvalue import Endpoint, Launch
 from qwen4090.probes.http import (
     GENERATION_TOKENS,
     RUNNING,
@@ -19,8 +20,7 @@ from qwen4090.probes.http import (
     HealthResult,
     MetricsResult,
 )
-from qwen4090.results import FrontSample, PreflightResult
-from qwen4090.steering import FrontCommand
+from qwen4090.settings.config import Config
 
 
 class Clock:

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from qwen4090.front import Front
-from qwen4090.frontlimits import Limits
+from qwen4090.engine.front import Front
+from qwen4090.engine.frontlimits import Limits
 from tests.support.fakes import Log
 
 

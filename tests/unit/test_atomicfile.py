@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from qwen4090 import atomicfile, instance, kvbudget, learned
+from qwen4090.base import atomicfile
+from qwen4090.launching import instance, kvbudget, learned
 
 
 def test_writes_and_replaces_leaving_only_the_file(tmp_path: Path) -> None:

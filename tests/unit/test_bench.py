@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from qwen4090 import bench, cli
-from qwen4090.config import from_dict
+from qwen4090.commandline import bench, cli
+from qwen4090.settings.config import from_dict
 
 
 def test_plan_splits_concurrency_and_keeps_the_80_20_mix() -> None:

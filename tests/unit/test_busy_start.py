@@ -13,15 +13,16 @@ from typing import Any
 import pytest
 from tests.support.fakes import Log
 
-from qwen4090 import atomicfile, preflight, steptime
-from qwen4090.config import Config, from_dict
-from qwen4090.policy import (
+from qwen4090.base import atomicfile
+from qwen4090.decide.policy import (
     SAFE_STEP_MULTIPLE,
     hang_timeout_risk,
     queued_behind_work,
     serving_clients,
     warmup_request_wait,
 )
+from qwen4090.launching import preflight, steptime
+from qwen4090.settings.config import Config, from_dict
 
 # --- the pure judgements --------------------------------------------------------------------
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from qwen4090 import child
-from qwen4090.child import VllmChild, kernel_oom_line, oom_kill_count, render_env
-from qwen4090.config import VllmConfig, from_dict
-from qwen4090.launch import render_argv
+from qwen4090.engine import child
+from qwen4090.engine.child import VllmChild, kernel_oom_line, oom_kill_count, render_env
+from qwen4090.launching.launch import render_argv
+from qwen4090.settings.config import VllmConfig, from_dict
 
 
 def test_argv_is_a_list_from_the_config() -> None:
@@ -139,8 +139,8 @@ def test_kernel_oom_line_finds_the_pid(tmp_path: Path) -> None:
 
 
 def test_tensor_parallel_size_is_a_key_not_an_extra_arg() -> None:
-    from qwen4090.config import ConfigError
-    from qwen4090.learned import fingerprint
+    from qwen4090.launching.learned import fingerprint
+    from qwen4090.settings.config import ConfigError
 
     assert "--tensor-parallel-size" not in render_argv(VllmConfig())  # one GPU: vLLM's default
     two = from_dict({"vllm": {"tensor_parallel_size": 2}})
@@ -158,7 +158,7 @@ def test_tensor_parallel_size_is_a_key_not_an_extra_arg() -> None:
 
 SUBREAPER_SCENARIO = r'''
 import json, os, subprocess, sys, time
-from qwen4090 import child
+from qwen4090.engine import child
 
 def state(pid):
     try:

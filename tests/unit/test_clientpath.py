@@ -9,8 +9,8 @@ import itertools
 import pytest
 from tests.support.attacks import spellings
 
-from qwen4090 import clientpath
-from qwen4090.clientpath import Refusal, Route, decide
+from qwen4090.decide import clientpath
+from qwen4090.decide.clientpath import Refusal, Route, decide
 
 ENGINE_ONLY = ["/sleep", "/wake_up", "/is_sleeping", "/pause", "/resume", "/is_paused",
                "/collective_rpc", "/server_info", "/reset_prefix_cache", "/abort_requests",

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from qwen4090 import cli, commands
-from qwen4090.policy import EX_CONFIG, EXIT_CODES
+from qwen4090.commandline import cli, commands
+from qwen4090.decide.policy import EX_CONFIG, EXIT_CODES
 
 BROKEN = '[vllm]\nport = "x"\n'
 WHY = 'vllm.port: found "x", expected an integer from 1 to 65535'

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from qwen4090 import config
-from qwen4090.cli import main
-from qwen4090.config import Config, ConfigError, changed_sections, defaults_as_dict, load
+from qwen4090.commandline.cli import main
+from qwen4090.settings import config
+from qwen4090.settings.config import Config, ConfigError, changed_sections, defaults_as_dict, load
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -77,7 +77,7 @@ def test_full_reference_is_generated_and_is_every_default() -> None:
         assert tomllib.load(f) == defaults_as_dict()
     assert FULL.read_text() == config.render_full_toml(), (
         "packaging/examples/qwen4090.full.toml is stale; run: PYTHONPATH=daemon python3 -c "
-        "'from qwen4090.config import render_full_toml as r; print(r(), end=\"\")' "
+        "'from qwen4090.settings.config import render_full_toml as r; print(r(), end=\"\")' "
         "> packaging/examples/qwen4090.full.toml")
     for dotted in config.field_help():
         assert config.field_doc(dotted).split(" Accepts ")[1], dotted
@@ -162,7 +162,7 @@ def test_changed_sections() -> None:
     b = config.from_dict({"watch": {"hang_timeout": 15.0}})
     c = config.from_dict({"vllm": {"port": 9}})
     assert changed_sections(a, b) == ["watch"]
-    # status.port and front.engine_port follow vllm.port when unset (qwen4090.derived)
+    # status.port and front.engine_port follow vllm.port when unset (qwen4090.settings.derived)
     assert changed_sections(a, c) == ["vllm", "status", "front"]
 
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from qwen4090 import config
-from qwen4090.cli import main
-from qwen4090.config import ConfigError, load
+from qwen4090.commandline.cli import main
+from qwen4090.settings import config
+from qwen4090.settings.config import ConfigError, load
 
 
 def write(path: Path, text: str) -> Path:
@@ -358,7 +358,7 @@ def test_fifo_as_the_vllm_command_is_refused(tmp_path: Path, capsys: pytest.Capt
 def test_model_directory_that_cannot_be_looked_at_is_a_line_not_a_traceback(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], base: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from qwen4090 import preflight
+    from qwen4090.launching import preflight
 
     cfg = load(write(tmp_path / "q.toml", base))
     real_stat = Path.stat
@@ -375,7 +375,7 @@ def test_model_directory_that_cannot_be_looked_at_is_a_line_not_a_traceback(
 
 
 def test_fifo_as_the_models_config_json_is_refused_by_plan(tmp_path: Path) -> None:
-    from qwen4090 import plan
+    from qwen4090.launching import plan
 
     model = tmp_path / "model"
     model.mkdir()
@@ -396,7 +396,7 @@ def test_fifo_as_the_models_config_json_is_refused_by_plan(tmp_path: Path) -> No
 
 
 def test_warmup_never_plans_a_request_longer_than_max_model_len() -> None:
-    from qwen4090.warmup import plan_steps
+    from qwen4090.engine.warmup import plan_steps
 
     # What an OOM ladder can reach at run time (max_model_len lowered below the check's).
     cfg = config.from_dict({"vllm": {"model": "/m", "max_model_len": 16},

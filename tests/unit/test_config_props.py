@@ -32,14 +32,15 @@ pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qwen4090 import config, preflight
-from qwen4090.child import render_env
-from qwen4090.cli import main
-from qwen4090.config import AUTO, SECTIONS
-from qwen4090.launch import render_argv
-from qwen4090.policy import HangDetector, RestartBudget, backoff_delay
+from qwen4090.commandline.cli import main
+from qwen4090.decide.policy import HangDetector, RestartBudget, backoff_delay
+from qwen4090.engine.child import render_env
+from qwen4090.engine.warmup import plan_steps
+from qwen4090.launching import preflight
+from qwen4090.launching.launch import render_argv
 from qwen4090.probes.http import VllmProbe
-from qwen4090.warmup import plan_steps
+from qwen4090.settings import config
+from qwen4090.settings.config import AUTO, SECTIONS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -155,7 +156,7 @@ def valid(section: str, name: str, typ: Any, meta: dict[str, Any]) -> st.SearchS
                                 st.text(st.characters(blacklist_characters="\0",
                                                       blacklist_categories=NO_SURROGATES),
                                         max_size=10), max_size=3)
-        # gpu.device follows CUDA_VISIBLE_DEVICES (qwen4090.derived): exercise that too.
+        # gpu.device follows CUDA_VISIBLE_DEVICES (qwen4090.settings.derived): exercise that too.
         cuda = st.fixed_dictionaries({"CUDA_VISIBLE_DEVICES": st.sampled_from(
             ["0", "1,2", "3", "99", "", "GPU-5d1c", "MIG-1/2", " 2 , 0"])})
         return plain | cuda

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from test_supervisor import Harness
 
-from qwen4090 import redact
+from qwen4090.base import redact
+from qwen4090.base.redact import safe_error
+from qwen4090.base.states import State
+from qwen4090.engine.warmup import _parallel
 from qwen4090.probes.http import VllmProbe
-from qwen4090.redact import safe_error
-from qwen4090.states import State
-from qwen4090.warmup import _parallel
 
 KEY = "Zq9x-s3cr\u00e9t-\u5bc6\u94a5-Wv7k"  # what http.client cannot encode into a header
 

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from qwen4090 import config, configrisk, preflight
-from qwen4090.cli import main
-from qwen4090.launchvalue import engine_endpoint
+from qwen4090.commandline.cli import main
+from qwen4090.launching import configrisk, preflight
+from qwen4090.launching.launchvalue import engine_endpoint
+from qwen4090.settings import config
 
 
 def resolving(*names: str) -> list[str]:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from test_gpu_joints import load_fake
 
-from qwen4090.httpapi import VLLM_COUNTERS, VLLM_GAUGES, _vllm_name, metric_families
 from qwen4090.probes import nvml
+from qwen4090.surfaces.httpapi import VLLM_COUNTERS, VLLM_GAUGES, _vllm_name, metric_families
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "packaging" / "examples"
 # A selector by name pattern, as the dashboard's GPU panels use: {__name__=~"qwen4090_gpu_..."}

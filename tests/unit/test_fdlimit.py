@@ -26,12 +26,13 @@ from test_supervisor import Harness
 from tests.support.fakes import FakeFront, Log
 
 import qwen4090
-from qwen4090 import fdlimit, launchvalue, preflight
-from qwen4090.config import from_dict
-from qwen4090.policy import Cause
-from qwen4090.results import CompletionResult, HealthResult, MetricsResult, PreflightResult
-from qwen4090.starter import FD_RETRY
-from qwen4090.states import State
+from qwen4090.base import fdlimit
+from qwen4090.base.states import State
+from qwen4090.decide.policy import Cause
+from qwen4090.decide.results import CompletionResult, HealthResult, MetricsResult, PreflightResult
+from qwen4090.launching import launchvalue, preflight
+from qwen4090.running.starter import FD_RETRY
+from qwen4090.settings.config import from_dict
 
 EMFILE = OSError(errno.EMFILE, os.strerror(errno.EMFILE))
 
@@ -71,7 +72,7 @@ def test_raise_soft_with_the_soft_limit_at_the_hard_one_changes_nothing() -> Non
 
 
 def test_no_file_is_found_through_a_config_error_raised_from_none(tmp_path: Path) -> None:
-    from qwen4090.config import ConfigError
+    from qwen4090.settings.config import ConfigError
 
     def read() -> None:
         try:
@@ -108,8 +109,10 @@ def test_pressure_says_one_line_per_burst() -> None:
 LOOKS = r"""
 import errno, json, os, resource, signal, socket, sys, time
 from pathlib import Path
-from qwen4090 import child, fdlimit, instance, preflight
-from qwen4090.config import from_dict
+from qwen4090.engine import child
+from qwen4090.base import fdlimit
+from qwen4090.launching import instance, preflight
+from qwen4090.settings.config import from_dict
 from qwen4090.probes.http import VllmProbe
 
 class Log:
@@ -281,7 +284,7 @@ def test_a_preflight_that_cannot_look_runs_again_without_counting_a_failure(pres
 @pytest.mark.parametrize("error", [EMFILE, "key"])
 def test_a_spawn_without_a_file_descriptor_is_no_config_error(pressure: Log, error: Any
                                                               ) -> None:
-    from qwen4090.config import ConfigError
+    from qwen4090.settings.config import ConfigError
 
     h = Harness()
     spawn = h.sup.p.spawn
@@ -380,7 +383,7 @@ class Starved:
 
 
 def test_a_patient_probe_asks_again_within_the_timeout() -> None:
-    from qwen4090.results import UNSEEN_RETRY, Patient
+    from qwen4090.decide.results import UNSEEN_RETRY, Patient
 
     p = Starved(unseen=3)
     res = Patient(p, clock=lambda: p.t, sleep=p.sleep).control("/wake_up", 10.0)  # type: ignore[arg-type]
@@ -389,7 +392,7 @@ def test_a_patient_probe_asks_again_within_the_timeout() -> None:
 
 
 def test_a_patient_probe_gives_up_with_its_timeout() -> None:
-    from qwen4090.results import Patient
+    from qwen4090.decide.results import Patient
 
     p = Starved(unseen=1000)
     res = Patient(p, clock=lambda: p.t, sleep=p.sleep).complete([1], 1, 3.0)  # type: ignore[arg-type]
@@ -398,8 +401,8 @@ def test_a_patient_probe_gives_up_with_its_timeout() -> None:
 
 def test_the_wake_of_a_sleeping_engine_is_asked_again_not_failed(monkeypatch: pytest.MonkeyPatch
                                                                   ) -> None:
-    from qwen4090 import standby
     from qwen4090.probes import http
+    from qwen4090.running import standby
 
     p = Starved(unseen=2)
     monkeypatch.setattr(http.time, "sleep", p.sleep)

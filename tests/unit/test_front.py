@@ -24,11 +24,11 @@ from tests.support.upstream import (
     wait_until,
 )
 
-from qwen4090 import front as front_mod
-from qwen4090.front import Front
-from qwen4090.frontlimits import Limits
-from qwen4090.states import State
-from qwen4090.steering import Drain, Hold, Refuse, Serve
+from qwen4090.base.states import State
+from qwen4090.base.steering import Drain, Hold, Refuse, Serve
+from qwen4090.engine import front as front_mod
+from qwen4090.engine.front import Front
+from qwen4090.engine.frontlimits import Limits
 
 __all__ = ["upstream"]  # the fixture, imported for pytest
 
@@ -326,8 +326,8 @@ def test_a_taken_port_is_an_oserror(upstream: Upstream) -> None:
 
 
 def test_open_front_waits_for_a_taken_client_port_then_says_who_holds_it() -> None:
-    from qwen4090 import cli
-    from qwen4090.config import from_dict
+    from qwen4090.commandline import cli
+    from qwen4090.settings.config import from_dict
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

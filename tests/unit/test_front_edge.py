@@ -18,11 +18,11 @@ from tests.support.attacks import call
 from tests.support.fakes import Log
 from tests.support.upstream import Later, Upstream, make_front, request, upstream, wait_until
 
-from qwen4090.config import FrontConfig
-from qwen4090.fdlimit import FD_RESERVE
-from qwen4090.front import Front
-from qwen4090.frontlimits import LINGER_MAX, LINGER_MIN, Limits, LineQuota, limits_of
-from qwen4090.steering import Serve
+from qwen4090.base.fdlimit import FD_RESERVE
+from qwen4090.base.steering import Serve
+from qwen4090.engine.front import Front
+from qwen4090.engine.frontlimits import LINGER_MAX, LINGER_MIN, Limits, LineQuota, limits_of
+from qwen4090.settings.config import FrontConfig
 
 __all__ = ["upstream"]  # the fixture, imported for pytest
 
@@ -290,10 +290,10 @@ def _free() -> int:
 
 
 def test_status_says_while_a_limit_refuses_clients() -> None:
-    from qwen4090 import statusline
-    from qwen4090.config import VllmConfig
-    from qwen4090.results import FrontSample
-    from qwen4090.states import State
+    from qwen4090.base.states import State
+    from qwen4090.decide.results import FrontSample
+    from qwen4090.parts import statusline
+    from qwen4090.settings.config import VllmConfig
 
     def line(shedding: str) -> str:
         front = FrontSample(0, 0, 0, 0.0, 0, True, False, shedding=shedding)

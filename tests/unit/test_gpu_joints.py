@@ -24,13 +24,14 @@ from tests.support.clients import http_get as get
 from tests.support.fakes import QWEN3_14B, FakeChild, Log
 from tests.support.runtime import free_port
 
-from qwen4090 import cli, gpu
-from qwen4090.config import Config
-from qwen4090.launchvalue import Launch
-from qwen4090.policy import Cause
+from qwen4090.base.states import State
+from qwen4090.commandline import cli
+from qwen4090.decide.policy import Cause
+from qwen4090.decide.results import PreflightResult
+from qwen4090.launching import gpu
+from qwen4090.launching.launchvalue import Launch
 from qwen4090.probes import nvml
-from qwen4090.results import PreflightResult
-from qwen4090.states import State
+from qwen4090.settings.config import Config
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE = Path(__file__).with_name("fake_pynvml.py")
@@ -133,7 +134,7 @@ def test_without_any_binding_plan_says_what_to_run(tmp_path: Path, debian_python
 def test_daemon_preflight_and_driver_wait_use_the_venvs_binding(
         tmp_path: Path, debian_python: None, uvm: None) -> None:
     py = fake_venv(tmp_path / "venv")
-    from qwen4090.config import load
+    from qwen4090.settings.config import load
 
     cfg = load(write_config(tmp_path, py, gpu_keys='enabled = "required"'))
     log = Log()
@@ -257,7 +258,7 @@ def test_oom_with_the_ladder_off_says_so(tmp_path: Path) -> None:
 
 def test_plan_shows_what_the_daemon_learned_with_memory_gib_set(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from qwen4090.config import load
+    from qwen4090.settings.config import load
 
     conf = write_config(tmp_path, sys.executable, gpu_keys="memory_gib = 140")
     cfg = load(conf)
@@ -266,7 +267,7 @@ def test_plan_shows_what_the_daemon_learned_with_memory_gib_set(
     res = PreflightResult()
     parts.check(launched, res)
     assert res.ok
-    from qwen4090.policy import classify_exit
+    from qwen4090.decide.policy import classify_exit
 
     verdict = classify_exit(1, [CUDA_OOM, FINAL])
     assert parts.step_down(launched, cfg, verdict, [CUDA_OOM, FINAL]) == [
@@ -288,8 +289,7 @@ def test_the_configured_venv_wins_over_the_default_one_found_at_import(
     the venv that vllm.command names was never asked."""
     from types import SimpleNamespace
 
-    from qwen4090 import nvml_binding
-    from qwen4090.probes import nvml
+    from qwen4090.probes import nvml, nvml_binding
 
     default = tmp_path / "opt-venv"
     monkeypatch.setattr(nvml_binding, "DEFAULT_VENV", default)
@@ -313,10 +313,10 @@ def test_daemon_and_plan_resolve_the_same_launch(
     """On the same inputs (config, GPU, learned.json, kv_budget.json) the daemon's preflight,
     the launch its supervisor spawns and `qwen4090 plan` agree: same argv, same fingerprint,
     and each limit from the same place."""
-    from qwen4090.config import load, tomllib
-    from qwen4090.launch import KV_KEY, render_argv
-    from qwen4090.launchvalue import Origin
-    from qwen4090.policy import classify_exit
+    from qwen4090.decide.policy import classify_exit
+    from qwen4090.launching.launch import KV_KEY, render_argv
+    from qwen4090.launching.launchvalue import Origin
+    from qwen4090.settings.config import load, tomllib
 
     py = fake_venv(tmp_path / "venv") if source == "nvml" else Path(sys.executable)
     conf = write_config(tmp_path, py, gpu_keys="memory_gib = 140" if source == "memory_gib"
@@ -368,8 +368,8 @@ def test_with_the_gpu_off_plan_shows_the_account_but_the_daemons_argv(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """gpu.enabled = "off": the daemon never plans, so "auto" stays vLLM's; `plan` still shows
     the account for a given size, and says that the launch does not use its choices."""
-    from qwen4090.config import load
-    from qwen4090.launchvalue import Origin
+    from qwen4090.launching.launchvalue import Origin
+    from qwen4090.settings.config import load
 
     conf = write_config(tmp_path, sys.executable, gpu_keys='enabled = "off"')
     conf.write_text(conf.read_text().replace("max_model_len = 8192", 'max_model_len = "auto"'))

@@ -14,14 +14,14 @@ import pytest
 from test_supervisor import Harness
 from tests.support.fakes import QWEN3_14B, FakeChild, Log, NoGpu
 
-from qwen4090 import gpu, launchvalue, learned
-from qwen4090.config import Config, from_dict
-from qwen4090.launch import configured
-from qwen4090.launchvalue import Launch
-from qwen4090.policy import EX_GPU, Cause, ExitVerdict
+from qwen4090.base.states import State
+from qwen4090.decide.policy import EX_GPU, Cause, ExitVerdict
+from qwen4090.decide.results import PreflightResult
+from qwen4090.launching import gpu, launchvalue, learned
+from qwen4090.launching.launch import configured
+from qwen4090.launching.launchvalue import Launch
 from qwen4090.probes import nvml
-from qwen4090.results import PreflightResult
-from qwen4090.states import State
+from qwen4090.settings.config import Config, from_dict
 
 GIB = 1024 ** 3
 CONTEXT = ("ValueError: To serve at least one request with the model's max seq len (40960), "

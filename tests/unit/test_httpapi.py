@@ -11,13 +11,20 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tests.support.fakes import Clock, Log
 
-from qwen4090 import cli, httpapi
-from qwen4090.config import Config, from_dict
-from qwen4090.contracts import Published
-from qwen4090.events import Event, GpuSampled, HangSeen, Restarted, Transition
-from qwen4090.httpapi import StatusApi, Telemetry, metric_families, render_html, status_document
-from qwen4090.results import MetricsResult
-from qwen4090.states import State
+from qwen4090.base.events import Event, GpuSampled, HangSeen, Restarted, Transition
+from qwen4090.base.states import State
+from qwen4090.commandline import cli
+from qwen4090.decide.results import MetricsResult
+from qwen4090.parts.contracts import Published
+from qwen4090.settings.config import Config, from_dict
+from qwen4090.surfaces import httpapi
+from qwen4090.surfaces.httpapi import (
+    StatusApi,
+    Telemetry,
+    metric_families,
+    render_html,
+    status_document,
+)
 
 
 class FakeSup:

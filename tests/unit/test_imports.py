@@ -20,48 +20,35 @@ import qwen4090
 # these tests against /usr/lib/python3/dist-packages with daemon/ removed).
 PACKAGE = Path(qwen4090.__file__).resolve().parent
 
-# The layers, bottom to top.  A module imports from its own layer and the layers below it,
-# never from one above; each module of the package is in exactly one layer (a new module fails
-# the test until it is given one).  Names are relative to the package; the package itself
-# (its __init__ holds only the version) is in none.
-LAYERS: dict[str, tuple[str, ...]] = {
-    # nothing of ours below it: what vLLM says and does (vllmfacts), the states and the events
-    # about them, the log, and small pieces of the machine (child.py strips notify's variables)
-    "base": ("states", "events", "vllmfacts", "logs", "redact", "atomicfile", "oomscore",
-             "notify", "preimport_main",  # preimport_main runs in vLLM's interpreter
-             "fdlimit",  # the file limit, and "no file descriptor left" is no verdict
-             "steering"),  # what the supervisor tells the front
-    # every default and its validation; the keys whose default follows other keys
-    "config": ("config", "derived"),
-    # what the parts answer (probes, preflight, warmup, the port walk, the front): values only
-    "results": ("results",),
-    # pure decisions on the config's thresholds: backoff, budget, exit classes, hang verdicts,
-    # and the judges that own their timers
-    "policy": ("policy", "judges", "clientpath"),
+# The layers, bottom to top: each is a folder of the package, and a module's layer is the folder it
+# is in.  A module imports from its own layer and the layers below it, never from one above; a
+# module outside every layer's folder fails the test (a new module goes into the folder of its
+# layer).  The package's __init__ (only the version) and __main__ stay at its top.  Each folder's
+# __init__ says in one line what the layer is.
+LAYERS: tuple[str, ...] = (
+    # the bottom layer: states, events, what vLLM says and does, logs, small machine parts
+    "base",
+    # every setting's default and its validation; the keys whose default follows others
+    "settings",
+    # what the parts answer, as values, and the pure decisions on it: policy, the judges
+    "decide",
     # what asks vLLM and the GPU, and returns a result
-    "probes": ("probes.http", "probes.nvml", "nvml_binding"),
-    # one vLLM process and what runs beside it (the front: the client port before it)
-    "engine": ("child", "warmup", "timeline", "preimport", "readahead", "caches", "front",
-               "frontlimits"),
-    # what vLLM is launched with, and where: the Launch value (launchvalue: as low as the plan
-    # whose GpuMemory and Plan it holds; plan.gpu_memory asks NVML), the plan, what earlier
-    # starts taught, the runtime venv, the checks before a launch, the instance (its lock, its
-    # child record, its port)
-    "launch": ("launchvalue", "reloading", "launch", "plan", "learned", "kvbudget", "steptime",
-               "ladder", "runtime", "preflight", "configrisk", "instance"),
-    # the typed GPU part: launch, preflight, step-down and the watch, over one door
-    "gpu": ("gpu", "xid"),
-    # the contracts of the parts the supervisor drives (protocols, do-nothing parts, Parts)
-    "contracts": ("contracts", "statusline", "telling"),
-    # the engines: one vLLM run and its judges' verdicts, the standby's keeper, the port guard
-    "engines": ("run", "engines", "standby", "takeover", "portguard", "starter", "restarts"),
-    # the daemon's state machine
-    "supervisor": ("supervisor",),
-    # what the composition root wires around it: the signals, the status endpoint
-    "surfaces": ("signals", "httpapi"),
-    # what a user runs: the composition root and the commands
-    "commands": ("cli", "__main__", "commands", "plancmd", "statuscmd", "provision", "bench"),
-}
+    "probes",
+    # one vLLM process and what runs beside it, the front on the client port among them
+    "engine",
+    # what vLLM is launched with, and where: the plan, the checks, the GPU part
+    "launching",
+    # the contracts of the parts the supervisor drives, and what it tells (status line, systemd)
+    "parts",
+    # the engines as rows of one table, and the owners of their start, restart and takeover
+    "running",
+    # the daemon's state machine: the only code that changes the service's state
+    "supervision",
+    # what the composition root wires around the supervisor: signals, status endpoint
+    "surfaces",
+    # what a user runs: the composition root (cli) and the commands
+    "commandline",
+)
 
 
 def module_names(package: Path) -> dict[str, Path]:
@@ -72,6 +59,22 @@ def module_names(package: Path) -> dict[str, Path]:
             parts.pop()
         out[".".join(parts)] = path
     return out
+
+
+def layer_folders(package: Path, layers: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """Each layer's modules, read from its folder (names relative to the package; the folder's
+    own ``__init__`` is the layer's name).  ``__main__`` stays at the package's top and runs the
+    commands: it counts in the top layer.  A module outside every folder is in none."""
+    found: dict[str, list[str]] = {layer: [] for layer in layers}
+    for name in module_names(package):
+        short = name.partition(".")[2]
+        if short.split(".")[0] in found:
+            found[short.split(".")[0]].append(short)
+    empty = [layer for layer, names in found.items() if not names]
+    assert not empty, f"layers without a folder: {empty} (each needs {package}/LAYER/__init__.py)"
+    if f"{package.name}.__main__" in module_names(package):
+        found[layers[-1]].append("__main__")
+    return {layer: tuple(names) for layer, names in found.items()}
 
 
 def import_graph(package: Path) -> dict[str, set[str]]:
@@ -120,16 +123,19 @@ def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
     return found
 
 
+NO_LAYER = "is in no layer: move it into the folder of one (LAYERS)"
+
+
 def layer_breaches(graph: Mapping[str, set[str]], package: str,
                    layers: Mapping[str, Sequence[str]]) -> list[str]:
-    """One sentence per module of the graph without a layer, and per import that runs from a
+    """One sentence per module of the graph in no layer, and per import that runs from a
     lower layer up to a higher one (naming both modules and both layers)."""
     rank: dict[str, tuple[int, str]] = {}
     for i, (layer, names) in enumerate(layers.items()):
         for short in names:
             assert f"{package}.{short}" not in rank, f"{short} is in two layers"
             rank[f"{package}.{short}"] = (i, layer)
-    out = [f"{m} has no layer: give it one in LAYERS"
+    out = [f"{m} {NO_LAYER}"
            for m in sorted(graph) if m != package and m not in rank]
     for importer in sorted(graph):
         for imported in sorted(graph[importer]):
@@ -141,15 +147,16 @@ def layer_breaches(graph: Mapping[str, set[str]], package: str,
 
 def test_no_import_cycle_among_our_modules() -> None:
     graph = import_graph(PACKAGE)
-    assert "qwen4090.cli" in graph and "qwen4090.probes.http" in graph  # it read the package
+    # it read the package
+    assert "qwen4090.commandline.cli" in graph and "qwen4090.probes.http" in graph
     assert cycles(graph) == [], "import cycles: " + "; ".join(
         " -> ".join(c) for c in cycles(graph))
 
 
 def test_every_module_has_a_layer_and_imports_only_downwards() -> None:
     graph = import_graph(PACKAGE)
-    assert "qwen4090.derived" in graph["qwen4090.config"]  # it read the package
-    found = layer_breaches(graph, PACKAGE.name, LAYERS)
+    assert "qwen4090.settings.derived" in graph["qwen4090.settings.config"]  # it read the package
+    found = layer_breaches(graph, PACKAGE.name, layer_folders(PACKAGE, LAYERS))
     assert found == [], "layer breaches:\n" + "\n".join(found)
 
 
@@ -198,7 +205,7 @@ def test_the_checker_finds_the_breaches_we_had(tmp_path: Path) -> None:
     assert cycles(graph) == [["pkg.config", "pkg.derived", "pkg.config"],
                              ["pkg.provision", "pkg.preflight", "pkg.provision"]]
     assert layer_breaches(graph, "pkg", layers) == [
-        "pkg.newcomer has no layer: give it one in LAYERS",
+        f"pkg.newcomer {NO_LAYER}",
         "pkg.derived (base) imports pkg.config (config), a layer above it",
         "pkg.launch (launch) imports pkg.provision (commands), a layer above it",
         "pkg.preflight (launch) imports pkg.provision (commands), a layer above it",
@@ -218,6 +225,29 @@ def test_the_checker_finds_the_breaches_we_had(tmp_path: Path) -> None:
                                          }) == []
 
 
+def test_the_layers_are_the_folders(tmp_path: Path) -> None:
+    """A module's layer is its folder: one at the package's top (beside __init__ and __main__)
+    or in a folder that is no layer has none, and an import from a lower folder up is a
+    breach."""
+    pkg = tmp_path / "pkg"
+    for folder in ("low", "high", "stray"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text('"""A layer."""\n')
+    (pkg / "__init__.py").write_text("__version__ = '0'\n")
+    (pkg / "__main__.py").write_text("from pkg.high import cli\n")
+    (pkg / "low" / "a.py").write_text("x = 1\n")
+    (pkg / "high" / "cli.py").write_text("from pkg.low import a\n")
+    (pkg / "loose.py").write_text("")
+    (pkg / "stray" / "b.py").write_text("")
+    layers = layer_folders(pkg, ("low", "high"))
+    assert layers == {"low": ("low", "low.a"), "high": ("high", "high.cli", "__main__")}
+    assert layer_breaches(import_graph(pkg), "pkg", layers) == [
+        f"pkg.{m} {NO_LAYER}" for m in ("loose", "stray", "stray.b")]
+    (pkg / "low" / "a.py").write_text("from pkg.high import cli\n")
+    assert layer_breaches(import_graph(pkg), "pkg", layer_folders(pkg, ("low", "high")))[-1] == \
+        "pkg.low.a (low) imports pkg.high.cli (high), a layer above it"
+
+
 # What the state machine must never load, directly or through a module it imports: it drives
 # the machine only through contracts.Parts (issue 29.2).
 MACHINE_MODULES = ("aiohttp", "subprocess", "socket", "http.client", "psutil", "pynvml",
@@ -228,12 +258,13 @@ def test_importing_the_supervisor_loads_no_machine() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; import qwen4090.supervisor; "
+    code = ("import sys; import qwen4090.supervision.supervisor; "
             f"print(','.join(m for m in {MACHINE_MODULES!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, env={"PYTHONPATH": str(PACKAGE.parent), "PATH": ""})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "", f"importing qwen4090.supervisor loads {out.stdout.strip()}"
+    assert out.stdout.strip() == "", (f"importing qwen4090.supervision.supervisor loads "
+                                      f"{out.stdout.strip()}")
 
 
 # Issue 29's target is 15 modules of ours for the supervisor; this is what it loads now, each
@@ -246,22 +277,25 @@ SUPERVISOR_MODULES = 26
 
 
 def supervisor_modules() -> list[str]:
-    """The modules of ours that importing qwen4090.supervisor loads, in a fresh interpreter."""
+    """The modules of ours that importing qwen4090.supervision.supervisor loads, in a fresh
+    interpreter."""
     import subprocess
     import sys
 
-    code = ("import sys; import qwen4090.supervisor; "
+    code = ("import sys; import qwen4090.supervision.supervisor; "
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('qwen4090.'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, env={"PYTHONPATH": str(PACKAGE.parent), "PATH": ""})
     assert out.returncode == 0, out.stderr
-    return out.stdout.split()
+    # a layer's own __init__ (a docstring) is no module to count
+    return [m for m in out.stdout.split() if m.partition(".")[2] not in LAYERS]
 
 
 def test_importing_the_supervisor_loads_few_of_our_modules() -> None:
     loaded = supervisor_modules()
-    assert "qwen4090.supervisor" in loaded  # it read what was loaded
-    assert "qwen4090.launch" not in loaded  # the resolver: only the Launch value is needed
+    assert "qwen4090.supervision.supervisor" in loaded  # it read what was loaded
+    # the resolver: only the Launch value is needed
+    assert "qwen4090.launching.launch" not in loaded
     assert len(loaded) <= SUPERVISOR_MODULES, (
-        f"importing qwen4090.supervisor loads {len(loaded)} of our modules (at most "
+        f"importing qwen4090.supervision.supervisor loads {len(loaded)} of our modules (at most "
         f"{SUPERVISOR_MODULES}): {' '.join(m.removeprefix('qwen4090.') for m in loaded)}")

@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 from tests.support.fakes import Log
 
-from qwen4090 import atomicfile
-from qwen4090.config import from_dict
-from qwen4090.instance import (
+from qwen4090.base import atomicfile
+from qwen4090.launching.instance import (
     ChildRecord,
     Instance,
     InstanceError,
@@ -25,7 +24,8 @@ from qwen4090.instance import (
     matches_endpoint,
     runtime_dir,
 )
-from qwen4090.portguard import PortWait
+from qwen4090.running.portguard import PortWait
+from qwen4090.settings.config import from_dict
 
 VLLM = ("/opt/qwen4090/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server")
 ENGINE = ("VLLM::EngineCore",)
@@ -201,7 +201,7 @@ def test_unusable_directory_is_one_line_naming_path_and_fix(tmp_path: Path) -> N
 def test_behind_the_front_the_lock_is_the_client_ports_and_each_engine_has_its_record(
         tmp_path: Path) -> None:
     # a launch keeps the client address in its config; only its engine endpoint moves
-    from qwen4090.launch import configured
+    from qwen4090.launching.launch import configured
 
     env = {"RUNTIME_DIRECTORY": str(tmp_path)}
     cfg = from_dict({"vllm": {"port": 8300}, "front": {"enabled": True, "engine_port": 18300}})
@@ -230,7 +230,7 @@ def test_follow_moves_the_lock_to_a_new_port(tmp_path: Path) -> None:
         inst.follow(from_dict({"vllm": {"port": 8201}, **off}))
         assert inst.lock_path.name == "instance-127.0.0.1-8201.lock"
         Instance.take(from_dict({"vllm": {"port": 8200}, **off}), Log(), env=env).close(True)
-        from qwen4090.config import ConfigError
+        from qwen4090.settings.config import ConfigError
         with pytest.raises(ConfigError) as e:
             inst.follow(from_dict({"vllm": {"port": 8202}, **off}))
         assert "vllm.port" in str(e.value) and "another qwen4090" in str(e.value)
@@ -257,7 +257,7 @@ def test_listeners_from_psutil_connections() -> None:
 
     import psutil
 
-    from qwen4090.instance import listeners
+    from qwen4090.launching.instance import listeners
 
     own = [NS(status=psutil.CONN_LISTEN, laddr=("127.0.0.1", 8000)),  # a process's: no pid
            NS(status=psutil.CONN_ESTABLISHED, laddr=("127.0.0.1", 8000)),
@@ -274,7 +274,7 @@ def test_owner_and_holder_with_real_sockets(tmp_path: Path) -> None:
     # port is no one's, and a port held by us is named with our pid.
     import socket
 
-    from qwen4090.instance import Instance
+    from qwen4090.launching.instance import Instance
 
     inst = Instance(tmp_path, "127.0.0.1", 0, Log())
 

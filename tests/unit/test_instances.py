@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from qwen4090 import derived, learned, oomscore, preflight, provision, runtime
-from qwen4090.config import ConfigError, from_dict, load
+from qwen4090.base import oomscore
+from qwen4090.commandline import provision
+from qwen4090.launching import learned, preflight, runtime
+from qwen4090.settings import derived
+from qwen4090.settings.config import ConfigError, from_dict, load
 
 
 def write(p: Path, text: str) -> Path:
@@ -132,7 +135,7 @@ def test_install_runtime_records_what_it_installed(tmp_path: Path) -> None:
 
 def test_status_command_warns_on_a_version_mismatch(tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    from qwen4090 import cli
+    from qwen4090.commandline import cli
 
     venv = _venv(tmp_path, "0.26.0", True)
     f = write(tmp_path / "q.toml", f'[vllm]\ncommand = ["{venv}/bin/python"]\n'

@@ -8,11 +8,12 @@ from typing import Any
 
 from tests.support.fakes import Log
 
-from qwen4090 import launch, launchvalue, readahead
-from qwen4090.config import Config, from_dict
-from qwen4090.kvbudget import FLAG, KvBudget, exact_bytes
-from qwen4090.launchvalue import Launch
-from qwen4090.plan import GpuMemory
+from qwen4090.engine import readahead
+from qwen4090.launching import launch, launchvalue
+from qwen4090.launching.kvbudget import FLAG, KvBudget, exact_bytes
+from qwen4090.launching.launchvalue import Launch
+from qwen4090.launching.plan import GpuMemory
+from qwen4090.settings.config import Config, from_dict
 
 GIB = 1024 ** 3
 
@@ -153,7 +154,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_cache_environment_defaults_under_the_cache_root() -> None:
-    from qwen4090.caches import cache_environment
+    from qwen4090.engine.caches import cache_environment
 
     env = cache_environment({"VLLM_CACHE_ROOT": "/var/cache/qwen4090/a", "HOME": "/h"})
     assert env["TRITON_CACHE_DIR"] == "/var/cache/qwen4090/a/triton"
@@ -187,7 +188,7 @@ def test_units_put_vllms_caches_in_their_cache_directory_which_survives_upgrades
 
 def test_the_daemons_gpu_part_records_and_forgets_by_the_launch(tmp_path: Path) -> None:
     """The GPU part's store: remember at READY, forget after a failed start given it."""
-    from qwen4090.gpu import GpuParts
+    from qwen4090.launching.gpu import GpuParts
 
     c = from_dict({"vllm": {"model": "/m"}, "restart": {"fixed_kv_budget": True},
                    "gpu": {"enabled": "off", "state_directory": str(tmp_path)}})
@@ -208,8 +209,8 @@ def test_the_gpu_part_gives_the_record_the_plans_bytes_per_token(tmp_path: Path)
     from types import SimpleNamespace
     from typing import cast
 
-    from qwen4090.gpu import GpuParts
-    from qwen4090.plan import Plan
+    from qwen4090.launching.gpu import GpuParts
+    from qwen4090.launching.plan import Plan
 
     c = from_dict({"vllm": {"model": "/m"}, "restart": {"fixed_kv_budget": True},
                    "gpu": {"enabled": "off", "state_directory": str(tmp_path)}})

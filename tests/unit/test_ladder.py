@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from qwen4090 import ladder, learned
-from qwen4090.cli import main
-from qwen4090.config import from_dict
-from qwen4090.ladder import Floors, Limits, next_rung, read_oom
-from qwen4090.vllmfacts import OomKind
+from qwen4090.base.vllmfacts import OomKind
+from qwen4090.commandline.cli import main
+from qwen4090.launching import ladder, learned
+from qwen4090.launching.ladder import Floors, Limits, next_rung, read_oom
+from qwen4090.settings.config import from_dict
 
 PFX = "(EngineCore pid=4242) ERROR 11-30 17:16:14 [core.py:1010] "
 CONTEXT = PFX + ("ValueError: To serve at least one request with the model's max seq len "

@@ -10,10 +10,10 @@ from typing import Any
 from test_gpu_parts import CONTEXT, h200, make_cfg  # noqa: F401  (h200 is a fixture)
 from tests.support.fakes import Log
 
-from qwen4090 import gpu, learned
-from qwen4090.config import from_dict
-from qwen4090.policy import Cause, ExitVerdict
-from qwen4090.results import PreflightResult
+from qwen4090.decide.policy import Cause, ExitVerdict
+from qwen4090.decide.results import PreflightResult
+from qwen4090.launching import gpu, learned
+from qwen4090.settings.config import from_dict
 
 FP = {"model": "/m", "gpu": "test"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qwen4090.child import LineRouter
+from qwen4090.engine.child import LineRouter
 
 HEALTH = 'INFO:     127.0.0.1:46792 - "GET /health HTTP/1.1" 200 OK'
 USER = 'INFO:     10.0.0.7:5555 - "POST /v1/chat/completions HTTP/1.1" 200 OK'

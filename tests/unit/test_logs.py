@@ -5,7 +5,7 @@ import json
 
 import structlog
 
-from qwen4090 import logs
+from qwen4090.base import logs
 
 
 class NotATty(io.StringIO):

@@ -18,9 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support.clients import http_get
 from tests.support.fakes import Clock, Log
 
-from qwen4090 import cli, httpapi
-from qwen4090.httpapi import StatusApi, StepTimes
-from qwen4090.states import State
+from qwen4090.base.states import State
+from qwen4090.commandline import cli
+from qwen4090.surfaces import httpapi
+from qwen4090.surfaces.httpapi import StatusApi, StepTimes
 
 DEADLINE = 10.0  # seconds any wait on the test server may take (never reached when it works)
 

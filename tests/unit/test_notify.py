@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from qwen4090.notify import Notifier, child_environment
+from qwen4090.base.notify import Notifier, child_environment
 
 
 @pytest.fixture(params=["path", "abstract"])

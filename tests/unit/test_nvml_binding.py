@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen4090 import nvml_binding
+from qwen4090.probes import nvml_binding
 
 FAKE_PYNVML = "NVML_SUCCESS = 0\ndef nvmlInit():\n    raise OSError('no driver here')\n"
 

@@ -15,8 +15,8 @@ import pytest
 from tests.support import unitfile
 from tests.support.unitfile import Node
 
-from qwen4090 import cli
-from qwen4090.policy import EXIT_CODES
+from qwen4090.commandline import cli
+from qwen4090.decide.policy import EXIT_CODES
 
 ROOT = Path(__file__).resolve().parents[2]
 # packaging/debian in the repository; debian/ in the source package (autopkgtest)

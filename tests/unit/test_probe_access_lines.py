@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from qwen4090.vllmfacts import PROBE_MARKER, is_probe_access, parse_vllm_line
+from qwen4090.base.vllmfacts import PROBE_MARKER, is_probe_access, parse_vllm_line
 
 
 @pytest.mark.parametrize(("line", "ours"), [
@@ -59,7 +59,7 @@ def test_the_probe_marks_its_completions() -> None:
 def test_cli_on_line_drops_probe_access_lines(monkeypatch: pytest.MonkeyPatch,
                                               tmp_path: Path) -> None:
     """The re-emission path in `run`: capture what on_line logs for a few lines."""
-    from qwen4090 import cli
+    from qwen4090.commandline import cli
 
     # our own instance lock: the default one in /var/lib/qwen4090 is shared with every other
     # test run on this machine (a concurrent run held it: `run` refused, no on_line)
@@ -77,7 +77,8 @@ def test_cli_on_line_drops_probe_access_lines(monkeypatch: pytest.MonkeyPatch,
         captured["on_line"] = on_line
         raise SystemExit(0)
 
-    from qwen4090 import child, logs
+    from qwen4090.base import logs
+    from qwen4090.engine import child
 
     monkeypatch.setattr(logs, "get_logger", lambda **kw: Log())
     monkeypatch.setattr(logs, "setup", lambda *a, **k: "keyvalue")
@@ -96,10 +97,10 @@ def _on_line_of_run(cli: object, captured: dict[str, object]) -> Any:
     import contextlib
     import tempfile
 
-    from qwen4090 import supervisor
-    from qwen4090.config import Config
-    from qwen4090.contracts import Parts
-    from qwen4090.launch import configured
+    from qwen4090.launching.launch import configured
+    from qwen4090.parts.contracts import Parts
+    from qwen4090.settings.config import Config
+    from qwen4090.supervision import supervisor
 
     with tempfile.TemporaryDirectory() as d:
         cfg = f"{d}/q.toml"

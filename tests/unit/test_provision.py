@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from qwen4090 import cli, provision
-from qwen4090.provision import ProvisionError, fetch_model, install_runtime
+from qwen4090.commandline import cli, provision
+from qwen4090.commandline.provision import ProvisionError, fetch_model, install_runtime
 
 
 def make_model(path: Path) -> Path:
@@ -333,7 +333,7 @@ def test_system_site_packages_from_a_venv_interpreter_sees_that_venv(tmp_path: P
     import subprocess
     import sys
 
-    from qwen4090.provision import inherit_parent_venv, venv_argv
+    from qwen4090.commandline.provision import inherit_parent_venv, venv_argv
 
     parent = tmp_path / "parent"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(parent)], check=True)

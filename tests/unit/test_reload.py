@@ -16,12 +16,15 @@ from test_gpu_parts import GpuHolding, GpuLadder
 from test_supervisor import Harness
 from tests.support.fakes import CheckedGpu
 
-from qwen4090 import cli, gpu, httpapi, logs
-from qwen4090.config import ConfigError, from_dict
-from qwen4090.contracts import NoFront
-from qwen4090.launch import configured
-from qwen4090.policy import Cause
-from qwen4090.states import State
+from qwen4090.base import logs
+from qwen4090.base.states import State
+from qwen4090.commandline import cli
+from qwen4090.decide.policy import Cause
+from qwen4090.launching import gpu
+from qwen4090.launching.launch import configured
+from qwen4090.parts.contracts import NoFront
+from qwen4090.settings.config import ConfigError, from_dict
+from qwen4090.surfaces import httpapi
 
 BASE = {"restart": {"backoff_initial": 1.0, "backoff_max": 4.0, "jitter": 0.0,
                     "budget_failures": 3, "budget_window": 600.0},

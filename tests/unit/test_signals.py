@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from qwen4090 import signals
+from qwen4090.surfaces import signals
 
 
 def readable(w: signals.Wakeup, limit: float = 5.0) -> bool:

@@ -11,12 +11,12 @@ import pytest
 from test_supervisor import Harness
 from tests.support.fakes import FakeChild, FakeFront, FakeProbe
 
-from qwen4090.events import Event, StandbyWoken, Transition
-from qwen4090.launchvalue import Launch
-from qwen4090.results import CompletionResult, HealthResult, PortOwner
-from qwen4090.standby import SLEEP_TIMEOUT, Failover, Phase, Step
-from qwen4090.states import State
-from qwen4090.steering import Serve
+from qwen4090.base.events import Event, StandbyWoken, Transition
+from qwen4090.base.states import State
+from qwen4090.base.steering import Serve
+from qwen4090.decide.results import CompletionResult, HealthResult, PortOwner
+from qwen4090.launching.launchvalue import Launch
+from qwen4090.running.standby import SLEEP_TIMEOUT, Failover, Phase, Step
 
 S = State
 ENGINE = 18000  # front.engine_port: the serving engine's first port; the standby's is + 1
@@ -252,7 +252,7 @@ def test_a_dead_engine_core_is_seen_before_vllm_says_so() -> None:
 def test_a_standby_needs_the_front_and_a_free_port_above_the_engine_port() -> None:
     import pytest
 
-    from qwen4090.config import ConfigError, from_dict
+    from qwen4090.settings.config import ConfigError, from_dict
     with pytest.raises(ConfigError, match=r"restart\.standby"):
         from_dict({"restart": {"standby": "sleep"}, "front": {"enabled": False}})
     with pytest.raises(ConfigError, match=r"front\.engine_port"):
@@ -275,7 +275,7 @@ def test_status_line_says_the_standby() -> None:
 def test_a_hang_is_dated_from_the_fronts_last_answer_byte() -> None:
     """The stall starts at the front's last byte from the engine when it came after the
     previous look, not at the look that saw the tokens move (H200: up to 2 s later)."""
-    from qwen4090.policy import HangDetector, Progress
+    from qwen4090.decide.policy import HangDetector, Progress
     h = HangDetector(15.0, 2.0)
     h.judge(100.0, Progress(2, 0, 10.0, moved_at=99.0))
     assert h.judge(102.0, Progress(2, 0, 11.0, moved_at=100.5)).stalled == 0.0

@@ -14,10 +14,10 @@ from test_gpu_parts import check, h200  # noqa: F401  (h200: the fixture, used b
 from test_plan import H200, QWEN3_14B, awq_4090, q14  # noqa: F401  (q14: the fixture)
 from tests.support.fakes import Log
 
-from qwen4090 import gpu, plan
-from qwen4090.cli import main
-from qwen4090.config import Config, from_dict
+from qwen4090.commandline.cli import main
+from qwen4090.launching import gpu, plan
 from qwen4090.probes import nvml
+from qwen4090.settings.config import Config, from_dict
 
 GIB = 1024 ** 3
 RTX4090 = plan.GpuMemory(24 * GIB, "24 GiB card", "test")  # `qwen4090 plan --gpu-memory 24`

@@ -11,8 +11,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from test_httpapi import FakeSup, doc_with, parse
 from test_statuscmd import DOC
 
-from qwen4090 import httpapi, statuscmd
-from qwen4090.httpapi import STANDBY_STATES, metric_families, render_html, standby_summary
+from qwen4090.commandline import statuscmd
+from qwen4090.surfaces import httpapi
+from qwen4090.surfaces.httpapi import STANDBY_STATES, metric_families, render_html, standby_summary
 
 READY: dict[str, Any] = {
     "mode": "sleep", "state": "ready", "ready": True, "pid": 1234, "port": 18001,

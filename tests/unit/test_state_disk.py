@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 from tests.support.fakes import Log
 
-from qwen4090 import atomicfile, kvbudget, launch, launchvalue, learned
-from qwen4090.config import from_dict
-from qwen4090.kvbudget import FLAG, KvBudget
-from qwen4090.plan import GpuMemory
+from qwen4090.base import atomicfile
+from qwen4090.launching import kvbudget, launch, launchvalue, learned
+from qwen4090.launching.kvbudget import FLAG, KvBudget
+from qwen4090.launching.plan import GpuMemory
+from qwen4090.settings.config import from_dict
 
 GIB = 1024 ** 3
 FP = {"model": "/m", "gpu": "H200"}

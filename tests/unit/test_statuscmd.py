@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from qwen4090 import cli, statuscmd
-from qwen4090.httpapi import StatusApi
-from qwen4090.policy import EXIT_CODES
+from qwen4090.commandline import cli, statuscmd
+from qwen4090.decide.policy import EXIT_CODES
+from qwen4090.surfaces.httpapi import StatusApi
 
 DOC: dict[str, Any] = {
     "state": "ready", "state_reason": "warmed up", "state_seconds": 75.0, "child_pid": 42,

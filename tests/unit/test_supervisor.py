@@ -22,19 +22,19 @@ from tests.support.fakes import (
     Notifier,
 )
 
-from qwen4090 import steptime
-from qwen4090.config import Config, ConfigError, from_dict
-from qwen4090.contracts import Parts
-from qwen4090.launchvalue import Launch
-from qwen4090.policy import WARMUP_JOIN_GRACE, Cause, ExitVerdict, warmup_bound
+from qwen4090.base.states import State
+from qwen4090.decide.policy import WARMUP_JOIN_GRACE, Cause, ExitVerdict, warmup_bound
+from qwen4090.decide.results import PreflightResult, WarmupResult, WarmupRow
+from qwen4090.launching import steptime
+from qwen4090.launching.launchvalue import Launch
+from qwen4090.parts.contracts import Parts
 from qwen4090.probes.http import (
     HealthResult,
     MetricsResult,
 )
-from qwen4090.results import PreflightResult, WarmupResult, WarmupRow
-from qwen4090.run import Job, Run
-from qwen4090.states import State
-from qwen4090.supervisor import Supervisor
+from qwen4090.running.run import Job, Run
+from qwen4090.settings.config import Config, ConfigError, from_dict
+from qwen4090.supervision.supervisor import Supervisor
 
 
 def is_poll(fn: Any) -> bool:
@@ -1078,7 +1078,7 @@ def test_the_status_endpoint_reads_what_the_loop_published_never_the_live_superv
     """Issue 29.6: the loop publishes an immutable view after each step; the endpoint's
     threads read that one whole (they used to copy the live Supervisor and retry on
     RuntimeError while the loop changed it)."""
-    from qwen4090.httpapi import Telemetry, status_document
+    from qwen4090.surfaces.httpapi import Telemetry, status_document
 
     h = Harness()
     h.run_until(State.READY)

@@ -11,7 +11,7 @@ import pytest
 from tests.support.daemon import Proc
 from tests.support.runtime import cpu_config, render_toml, write_toml
 
-from qwen4090.config import load
+from qwen4090.settings.config import load
 
 
 def py(code: str, log: Path | None = None) -> Proc:

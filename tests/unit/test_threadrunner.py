@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from qwen4090.cli import ThreadRunner
+from qwen4090.commandline.cli import ThreadRunner
 
 
 def test_a_finished_worker_takes_the_next_task_instead_of_a_new_thread() -> None:

@@ -12,13 +12,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from tests.support.fakes import Clock, Log
 
-from qwen4090 import cli
-from qwen4090.config import from_dict
-from qwen4090.contracts import Published
-from qwen4090.events import ChildExitSeen, HangSeen, Restarted, Transition
-from qwen4090.states import State
-from qwen4090.timeline import MARKS, StartupTimeline, TimelineWatch
-from qwen4090.vllmfacts import match_line
+from qwen4090.base.events import ChildExitSeen, HangSeen, Restarted, Transition
+from qwen4090.base.states import State
+from qwen4090.base.vllmfacts import match_line
+from qwen4090.commandline import cli
+from qwen4090.engine.timeline import MARKS, StartupTimeline, TimelineWatch
+from qwen4090.parts.contracts import Published
+from qwen4090.settings.config import from_dict
 
 DATA = Path(__file__).parent / "data"
 

@@ -6,9 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from qwen4090 import ladder, policy, timeline, vllmfacts
-from qwen4090.policy import Cause, classify_exit
-from qwen4090.vllmfacts import OOM_TEXTS, OomKind
+from qwen4090.base import vllmfacts
+from qwen4090.base.vllmfacts import OOM_TEXTS, OomKind
+from qwen4090.decide import policy
+from qwen4090.decide.policy import Cause, classify_exit
+from qwen4090.engine import timeline
+from qwen4090.launching import ladder
 
 DATA = Path(__file__).parent / "data"
 PFX = "(EngineCore pid=4242) ERROR 11-30 17:16:14 [core.py:1010] "

@@ -2,9 +2,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from qwen4090 import warmup
-from qwen4090.config import from_dict
-from qwen4090.policy import WARMUP_JOIN_GRACE, warmup_bound
+from qwen4090.decide.policy import WARMUP_JOIN_GRACE, warmup_bound
+from qwen4090.engine import warmup
 from qwen4090.probes.http import (
     GENERATION_TOKENS,
     RUNNING,
@@ -12,6 +11,7 @@ from qwen4090.probes.http import (
     CompletionResult,
     MetricsResult,
 )
+from qwen4090.settings.config import from_dict
 
 
 def test_steps_are_capped_by_context_and_seqs() -> None:

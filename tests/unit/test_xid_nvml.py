@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tests.support.fakes import Log
 
-from qwen4090 import xid
+from qwen4090.launching import xid
 from qwen4090.probes import nvml
 
 

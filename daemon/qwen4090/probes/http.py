@@ -15,13 +15,13 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 
-from qwen4090.fdlimit import exhausted
-from qwen4090.redact import safe_error
-from qwen4090.results import CompletionResult, HealthResult, MetricsResult
-from qwen4090.vllmfacts import GENERATION_TOKENS as GENERATION_TOKENS  # re-exported for tests
-from qwen4090.vllmfacts import PROBE_MARKER, local_host
-from qwen4090.vllmfacts import RUNNING as RUNNING  # (vLLM's metric names live in vllmfacts)
-from qwen4090.vllmfacts import WAITING as WAITING
+from qwen4090.base.fdlimit import exhausted
+from qwen4090.base.redact import safe_error
+from qwen4090.base.vllmfacts import GENERATION_TOKENS as GENERATION_TOKENS  # re-exported for tests
+from qwen4090.base.vllmfacts import PROBE_MARKER, local_host
+from qwen4090.base.vllmfacts import RUNNING as RUNNING  # (vLLM's metric names live in vllmfacts)
+from qwen4090.base.vllmfacts import WAITING as WAITING
+from qwen4090.decide.results import CompletionResult, HealthResult, MetricsResult
 
 
 class VllmProbe:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from qwen4090 import nvml_binding
+from qwen4090.probes import nvml_binding
 
 # The binding: nvidia-ml-py's pynvml module (or vLLM's vendored copy of it); None = none found.
 pynvml: Any = nvml_binding.load_pynvml()

@@ -1,0 +1,1 @@
+"""The bottom layer: states, events, what vLLM says and does, logs, small machine parts."""

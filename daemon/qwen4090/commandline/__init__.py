@@ -1,0 +1,1 @@
+"""What a user runs: the composition root (cli) and the commands."""

@@ -1,0 +1,95 @@
+"""The commands that show and reset what a launch gets: ``qwen4090 plan`` (the launch that
+launch.py resolves, with the KV-cache account of plan.py) and ``qwen4090 reset-learned``.
+
+Apart from plan.py so that plan.py (pure arithmetic) and launch.py (the resolver, which the
+supervisor imports) import nothing of the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+from qwen4090.commandline.commands import config_arg, config_error
+from qwen4090.decide.policy import EX_CONFIG
+from qwen4090.launching import learned, plan
+from qwen4090.launching.launch import read_facts, resolve
+from qwen4090.settings.config import Config, ConfigError
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    config_arg(p)
+    p.add_argument("--model", help="model directory (default: vllm.model of the config)")
+    p.add_argument("--gpu-memory", type=float, metavar="GIB",
+                   help="plan for a GPU with this much memory instead of reading NVML "
+                        "(e.g. 24 for an RTX 4090)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from qwen4090.settings import config as config_mod
+
+    try:
+        cfg = config_mod.load(args.config) if Path(args.config).exists() or \
+            args.model is None else Config()
+    except ConfigError as e:
+        return config_error(e)
+    if args.model:
+        cfg = dataclasses.replace(cfg, vllm=dataclasses.replace(cfg.vllm, model=args.model))
+    try:
+        model = plan.read_model(cfg.vllm.model)
+    except plan.PlanError as e:
+        return config_error(e, "plan")
+    gpu = plan.gpu_memory_from(args.gpu_memory, cfg)
+    if isinstance(gpu, str):
+        print(f"qwen4090: plan: {gpu}", file=sys.stderr)
+        return 1
+    # The daemon's own resolver, on the same facts: what the next launch gets, and why.
+    launch = resolve(cfg, read_facts(cfg, os.environ, gpu, model))
+    account = launch.plan
+    assert account is not None  # the GPU and the model are known
+    if account.standby is not None:  # restart.standby: its host memory, as the preflight does
+        plan.judge_host(account, plan.host_memory())
+    if args.json:
+        out = account.as_json()
+        out["learned"] = list(launch.learned)
+        out["argv"] = list(launch.argv)
+        out["settings"] = {k: s.as_json() for k, s in launch.settings.items()}
+        out["fingerprint"] = launch.fingerprint
+        out["kv_budget"] = launch.kv_note
+        print(json.dumps(out, indent=2))
+    else:
+        learned_file = learned.state_dir(cfg) / learned.FILE_NAME
+        for a in launch.learned:
+            print(f"learned   {a} (from {learned_file}; qwen4090 reset-learned forgets it)")
+        print(plan.render(account, launch.config))
+        if launch.kv_note:
+            print(f"kv budget {launch.kv_note}")
+        if cfg.gpu.enabled == "off":
+            print("note: gpu.enabled = \"off\": the daemon launches without this plan's "
+                  "choices")
+        print(f"argv      {' '.join(launch.argv)}")
+    return 0 if account.fits else EX_CONFIG
+
+
+def cmd_reset_learned(args: argparse.Namespace) -> int:
+    from qwen4090.settings import config as config_mod
+
+    try:
+        cfg = config_mod.load(args.config) if Path(args.config).exists() else Config()
+    except ConfigError as e:
+        return config_error(e)
+    store = learned.LearnedStore(learned.state_dir(cfg))
+    try:
+        removed = store.reset()
+    except OSError as e:
+        print(f"qwen4090: reset-learned: cannot remove {store.path}: {e.strerror}",
+              file=sys.stderr)
+        return 1
+    print(f"forgot {', '.join(removed)} ({store.path})" if removed
+          else f"nothing learned ({store.path})")
+    return 0

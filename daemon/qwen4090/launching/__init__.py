@@ -1,0 +1,1 @@
+"""What vLLM is launched with, and where: the plan, the checks, the GPU part."""

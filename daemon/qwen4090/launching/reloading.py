@@ -1,0 +1,33 @@
+"""What a reload may change, and what it restarts (issue 29.5): pure decisions on the old and
+the new config; the supervisor's handle_reload reads the file, applies, and acts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from qwen4090.launching.launchvalue import Launch, relaunch_changes
+from qwen4090.settings.config import Config, refused_keys, value_of
+
+
+def refused(old: Config, new: Config) -> str:
+    """The keys whose change a reload refuses (the schema's REFUSE): the front's own address
+    and vLLM's behind it are bound for the daemon's life; the client address only while the
+    front holds it (without the front it is vLLM's own: the launch rule restarts it).  "" when
+    none changed."""
+    return ", ".join(k for k in refused_keys() if value_of(new, k) != value_of(old, k)
+                     and (old.front.enabled or not k.startswith("vllm.")))
+
+
+def relaunch_reason(old: Config, new: Config, launch: Callable[[Config], Launch],
+                    runtime_was: str | None) -> str:
+    """The one rule of what a reload restarts: vLLM restarts iff its next launch differs from
+    the serving one.  Its command line and environment are compared as both configs would
+    launch now (``launch``: the GPU part's resolver), on the same facts (learned limits, the
+    KV budget, the GPU), so that only the config's change counts; the runtime in
+    vllm.command's venv against the one the serving engine started on (``runtime_was``:
+    install-runtime switched it, behind the front a blip, issue 20.6).  "" when none."""
+    nxt = launch(new)
+    if runtime_was and nxt.runtime and nxt.runtime != runtime_was:
+        return f"vLLM runtime changed: {runtime_was} -> {nxt.runtime}"
+    changes = relaunch_changes(launch(old), nxt)
+    return f"vLLM's launch changed: {changes}" if changes else ""

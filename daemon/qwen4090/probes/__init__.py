@@ -1,0 +1,1 @@
+"""What asks vLLM and the GPU, and returns a result."""

@@ -1,0 +1,126 @@
+"""The failure being handled and the restart that follows it (issue 29.3): the crash-loop
+budget and its backoff (policy.CrashLoop), the verdict judged again from vLLM's last lines,
+the OOM ladder's step down, and when the next start is due.  It never changes the daemon's
+state: the supervisor asks and acts (a give-up, a takeover, a start)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from qwen4090.base.events import Event, Restarted, SteppedDown
+from qwen4090.base.redact import safe_error
+from qwen4090.decide.policy import (
+    EX_CONFIG,
+    EX_GPU,
+    EX_TEMPFAIL,
+    Cause,
+    CrashLoop,
+    ExitVerdict,
+    GiveUp,
+    backoff_delay,
+)
+from qwen4090.launching.launchvalue import Launch
+from qwen4090.parts.contracts import GpuLike, LogLike
+from qwen4090.running.run import Run
+from qwen4090.settings.config import Config, RestartConfig
+
+
+class Restarts:
+    def __init__(self, cfg: RestartConfig, log: LogLike, emit: Callable[[Event], None]) -> None:
+        self.log = log
+        self.emit = emit
+        self.crashes = CrashLoop(cfg)  # restarts, history, budget, backoff
+        self.failure: ExitVerdict | None = None
+        self.restart_at: float | None = None
+        self.ready_since: float | None = None  # the serving run's READY
+        self.after_stable = False  # the failing run had been READY for restart.stable_after
+
+    # --- serving, and for how long ----------------------------------------------------------
+
+    def served_stably(self, now: float, serving: bool, cfg: Config) -> bool:
+        """The run has been serving for restart.stable_after."""
+        return serving and self.ready_since is not None \
+            and now - self.ready_since >= cfg.restart.stable_after
+
+    def note_stable(self, now: float, serving: bool, cfg: Config) -> None:
+        """A run READY for restart.stable_after starts the backoff over."""
+        if self.crashes.consecutive and self.served_stably(now, serving, cfg) \
+                and self.crashes.stable():
+            assert self.ready_since is not None
+            self.log.info("stable", seconds=round(now - self.ready_since), backoff_reset=True)
+
+    def failed(self, now: float, verdict: ExitVerdict, serving: bool, cfg: Config) -> None:
+        # A failure found in this step's harvest comes before step_ready's own check.
+        self.note_stable(now, serving, cfg)
+        # A run that served for restart.stable_after is restarted at once (issue 10.2): one
+        # fault after a long healthy period is not a crash loop; the next ones back off.
+        self.after_stable = self.served_stably(now, serving, cfg)
+        self.failure = verdict
+
+    # --- the group is gone --------------------------------------------------------------------
+
+    def reclassify(self, run: Run, tail: list[str],
+                   judge: Callable[[ExitVerdict], ExitVerdict]) -> None:
+        """The failure judged again now that vLLM's last lines are in (the tail; ``judge``:
+        the port guard's word on a held port)."""
+        if self.failure is None:
+            return
+        final = run.final_verdict(self.failure, tail, judge)
+        if final != self.failure:
+            self.log.warning("exit_classified", cause=final.cause.value, detail=final.detail,
+                             was=self.failure.cause.value)
+            self.failure = final
+
+    def gone(self, now: float, wall: float, tail: list[str], cfg: Config, gpu: GpuLike,
+             launch: Launch) -> GiveUp | bool:
+        """The failed group is gone: the failure counted (True when it counts against the
+        budget), or the end (not retried; the budget spent).  An OOM steps down first."""
+        v = self.failure
+        assert v is not None
+        counted = self.crashes.record(now, wall, v)
+        self.emit(Restarted(v.cause.value, counted))
+        if not v.retry:
+            return GiveUp(EX_GPU if v.cause == Cause.GPU_FATAL else EX_CONFIG,
+                          f"{v.cause.value}: {v.detail}")
+        if v.cause == Cause.OOM:
+            self.step_down(v, tail, cfg, gpu, launch)
+        if counted and (spent := self.crashes.spent(now, cfg.restart, v)) is not None:
+            return GiveUp(EX_TEMPFAIL, spent)
+        return counted
+
+    def schedule(self, now: float, counted: bool, cfg: Config, rand: random.Random) -> None:
+        """The next start: after the backoff, or at once after a stable run or an uncounted
+        failure."""
+        v = self.failure
+        assert v is not None
+        delay = backoff_delay(self.crashes.consecutive, cfg.restart, rand) \
+            if counted and not self.after_stable else 0.0
+        self.restart_at = now + delay
+        self.log.warning("restart_scheduled", cause=v.cause.value, delay=round(delay, 2),
+                         restarts=self.crashes.restarts,
+                         failures_in_window=self.crashes.budget.count(now),
+                         budget=cfg.restart.budget_failures)
+
+    def step_down(self, v: ExitVerdict, tail: list[str], cfg: Config, gpu: GpuLike,
+                  launch: Launch) -> None:
+        """OOM: one rung down the ladder for the next launch (the GPU part remembers it).  The
+        ladder's own settings are the current config's (a reload applies to the next OOM)."""
+        if not cfg.gpu.oom_ladder:
+            self.log.error("oom_not_stepped_down", cause=v.detail,
+                           reason="gpu.oom_ladder is off: the next launch uses the same "
+                                  "settings", hint="set gpu.oom_ladder = true, or lower "
+                                                   "vllm.max_model_len / max_num_seqs")
+            return
+        try:
+            changes = gpu.step_down(launch, cfg, v, tail)
+        except Exception as e:
+            self.log.error("oom_step_down_failed", error=safe_error(e, where=True))
+            return
+        if changes:
+            self.log.warning("oom_step_down", changes="; ".join(changes), cause=v.detail)
+            self.emit(SteppedDown(tuple(changes)))
+        else:
+            self.log.error("oom_ladder_exhausted", cause=v.detail,
+                           hint="lower vllm.max_model_len / max_num_seqs, or use a smaller "
+                                "or quantized model")

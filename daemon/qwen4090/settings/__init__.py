@@ -1,0 +1,1 @@
+"""Every setting's default and its validation; the keys whose default follows others."""

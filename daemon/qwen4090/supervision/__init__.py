@@ -1,0 +1,1 @@
+"""The daemon's state machine: the only code that changes the service's state."""

@@ -1,0 +1,1 @@
+"""What the composition root wires around the supervisor: signals, status endpoint."""
