@@ -299,3 +299,48 @@ def test_importing_the_supervisor_loads_few_of_our_modules() -> None:
     assert len(loaded) <= SUPERVISOR_MODULES, (
         f"importing qwen4090.supervision.supervisor loads {len(loaded)} of our modules (at most "
         f"{SUPERVISOR_MODULES}): {' '.join(m.removeprefix('qwen4090.') for m in loaded)}")
+
+
+# Issue 29's target: no module writes another class's fields.  In the engines' and the state
+# machine's layers, a write goes to ``self``'s own field; a class that needs another to change
+# asks it by a method.  The exceptions are a module's own records (plain dataclasses defined in
+# the same module, with no behaviour of their own), named here with why.
+OWN_RECORDS = {
+    "running/standby.py": {"b", "self.build"},  # the Keeper's Build record (standby.Build)
+    "running/portguard.py": {"self.wait"},  # the PortGuard's PortWait record
+}
+
+
+def foreign_writes(path: Path, allowed: set[str]) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            continue
+        for target in targets:
+            for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if not isinstance(t, ast.Attribute):
+                    continue
+                owner = ast.unparse(t.value)
+                if owner != "self" and owner not in allowed:
+                    out.append(f"{path.name}:{node.lineno}: {ast.unparse(t)}")
+    return out
+
+
+def test_the_engines_and_the_state_machine_write_only_their_own_fields() -> None:
+    found = []
+    for layer in ("running", "supervision"):
+        for path in sorted((PACKAGE / layer).glob("*.py")):
+            rel = f"{layer}/{path.name}"
+            found += foreign_writes(path, OWN_RECORDS.get(rel, set()))
+    assert found == [], "writes into another object's fields: " + "; ".join(found)
+
+
+def test_a_write_into_another_objects_field_is_found(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("class A:\n    def f(self, run):\n        self.x = 1\n        run.role = 2\n"
+                   "        self.keeper.detail = 3\n")
+    assert foreign_writes(src, set()) == ["m.py:4: run.role", "m.py:5: self.keeper.detail"]

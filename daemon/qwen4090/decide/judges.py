@@ -145,6 +145,17 @@ class ServingSchedule:
         """A poll at once, not at the next interval (a stuck canary's judgement needs one)."""
         self.asked = True
 
+    def restart(self, now: float) -> None:
+        """Serving (again): the hang clock, the failing window and the canary start over, and
+        a first sample is taken at once (Run.became_ready)."""
+        self.hang.reset()
+        self.last_poll = self.last_canary = now
+        self.unhealthy_since = None
+        self.ask()
+
+    def canary_sent(self, now: float) -> None:
+        self.last_canary = now
+
     def canary_due(self, now: float, canary_interval: float) -> bool:
         return canary_interval > 0 and now >= self.last_canary + canary_interval
 

@@ -52,7 +52,7 @@ class Engines:
     def promote(self, run: Run) -> None:
         """The standby becomes the serving row (the failed one was dropped)."""
         assert run.role is Role.STANDBY and self.serving is None
-        run.role = Role.SERVING
+        run.assign(Role.SERVING)
 
     def stop(self, run: Run, now: float, term_timeout: float, hung: bool) -> None:
         """Stop a row's group (its jobs cancelled); its pids wait for the GPU's release."""
@@ -62,7 +62,7 @@ class Engines:
         """A row nobody waits for any more (a standby not needed): killed, kept until gone."""
         self.stop(run, now, term_timeout, hung=False)
         run.kill_group(now, why)
-        run.role = Role.RETIRING
+        run.assign(Role.RETIRING)
 
     def drop(self, run: Run, now: float) -> None:
         """A row whose group is gone and whose end was judged (the serving one's)."""
@@ -120,8 +120,7 @@ class Engines:
         run = self.serving
         if run is not None and run.drain is not None:
             self.log.warning("drain_skipped", reason=why)
-            run.drain = None
-            run.begin_kill(now, stop.term_timeout)
+            run.skip_drain(now, stop.term_timeout)
 
     def step_stop(self, now: float, stop: StopConfig, health_timeout: float,
                   front: FrontSample | None, since: float) -> bool:

@@ -36,7 +36,33 @@ class Restarts:
         self.ready_since: float | None = None  # the serving run's READY
         self.after_stable = False  # the failing run had been READY for restart.stable_after
 
-    # --- serving, and for how long ----------------------------------------------------------
+    # --- the start, serving, and for how long -----------------------------------------------
+
+    def started(self) -> None:
+        """A new engine was spawned: the failure is behind."""
+        self.failure = None
+
+    def ready(self, now: float) -> None:
+        self.ready_since = now
+
+    def restart_now(self, now: float) -> None:
+        """The next start is due at once (a fallen-back takeover, a standby lost before its
+        wake: the failure was counted already)."""
+        self.restart_at = now
+
+    def due(self, now: float) -> bool:
+        """The next start is due (the backoff is over); ``begun`` takes it."""
+        return self.restart_at is not None and now >= self.restart_at
+
+    def begun(self) -> None:
+        self.restart_at = None
+
+    def fatal_gpu(self, verdict: ExitVerdict, group_gone: bool) -> None:
+        """A fatal Xid while no run is in its states: the group still going gives up once
+        gone (after_child_gone); with none, no restart is due."""
+        self.failure = verdict
+        if group_gone:
+            self.restart_at = None
 
     def served_stably(self, now: float, serving: bool, cfg: Config) -> bool:
         """The run has been serving for restart.stable_after."""

@@ -330,11 +330,19 @@ class Run:
         poll_interval is dated from its last progress (H200: a SIGSTOP 0.3 s after a rebuild's
         READY, with no sample since, was timed from the first poll, 1.7 s late)."""
         self.phase = Phase.UP
-        self.serving.hang.reset()
-        self.serving.last_poll = now
-        self.serving.ask()
-        self.serving.last_canary = now
-        self.serving.unhealthy_since = None
+        self.serving.restart(now)
+
+    def assign(self, role: Role) -> None:
+        """The table gives the row a new role (engines.py: promote, retire)."""
+        self.role = role
+
+    def skip_drain(self, now: float, term_timeout: float) -> bool:
+        """A second stop request while draining: no more draining, the group is signalled."""
+        if self.drain is None:
+            return False
+        self.drain = None
+        self.begin_kill(now, term_timeout)
+        return True
 
     def hold(self) -> None:
         """Up, but not watched: it sleeps (or is about to: a build), or waits as the standby."""
@@ -404,7 +412,7 @@ class Run:
             self.canary_judged_at = now
             self.submit(now, Job.CANARY, _canary_job(self.probe, w.canary_timeout,
                                                    w.health_timeout))
-            self.serving.last_canary = now
+            self.serving.canary_sent(now)
         self.canary_in_flight(now, w, out)
         return out.out
 

@@ -129,6 +129,14 @@ class Failover:
             return f"no wake and check within {limit:g}s"
         return ""
 
+    def promoted_at(self, now: float, kv_tokens: int | None, answer: str | None) -> None:
+        """The standby's row serves now: its KV size and its known answer come with it."""
+        self.promoted, self.kv_tokens, self.answer = now, kv_tokens, answer
+
+    def awake(self, now: float) -> None:
+        """An awake standby has nothing to wake: its check is next."""
+        self.woken = now
+
     def on_wake(self, now: float, res: HealthResult) -> str:
         if not res.ok:
             return f"the wake failed: {res.error}"
@@ -231,21 +239,31 @@ class Keeper:
         assert run is not None and self.phase is Phase.READY
         self.engines.promote(run)
         run.warming()
-        f.kv_tokens, f.promoted = self.kv_tokens, now
+        f.promoted_at(now, self.kv_tokens, self.answer)
         self.phase, self.since = Phase.WAKING, now
-        f.answer, self.answer = self.answer, None
+        self.answer = None
         return run
 
-    def failover_done(self, now: float, f: Failover, ok: bool) -> None:
-        f.ended(now, ok)
+    def failover_done(self, now: float, f: Failover, why: str = "") -> None:
+        """The takeover ended: served (``why`` empty), or fell back (why)."""
+        f.ended(now, not why)
         self.last_failover = f
-        if ok:
+        if not why:
             self.failovers += 1
         else:
             self.fallbacks += 1
+            self.detail = f"last failover failed: {why}"
         self.phase, self.since = Phase.WAITING, now
         self.quiet_since = None
         self.next_try = now
+
+    def serving_failed(self, now: float, term_timeout: float) -> None:
+        """The serving engine failed: a build ends with the engine it slept for, and a standby
+        not ready yet is discarded (its settings are the failed run's)."""
+        self.build = None
+        if self.run is not None and not self.ready:
+            self.discard(now, "the serving engine failed during the standby's build",
+                         term_timeout)
 
     def discard(self, now: float, why: str, term_timeout: float) -> None:
         """Stop the standby (and any build): its row retires (the GPU must let go of it)."""

@@ -76,7 +76,7 @@ class Takeover:
             f.to(Step.WAKE, now)
             run.submit(now, Job.FAILOVER_WAKE, control_job(run.probe, "/wake_up", timeout))
         else:  # awake: nothing to wake
-            f.woken = now
+            f.awake(now)
             self._check(now, f, run, timeout)
             self.emit(StandbyWoken(0.0))
         return True
@@ -107,7 +107,7 @@ class Takeover:
             self.failed(now, why, cfg)
             return False
         self.current = None
-        self.keeper.failover_done(now, f, ok=True)
+        self.keeper.failover_done(now, f)
         self.log.info("failover_done", cause=f.cause, pid=run.child.pid,
                       port=run.launch.engine.port,
                       seconds=round(f.seconds, 3) if f.seconds is not None else None,
@@ -122,7 +122,6 @@ class Takeover:
         self.log.error("failover_failed", reason=why, pid=run.child.pid,
                        fallback="the normal restart")
         f.to(Step.FALL_BACK, now)
-        self.keeper.failover_done(now, f, ok=False)
-        self.keeper.detail = f"last failover failed: {why}"
+        self.keeper.failover_done(now, f, why)
         self.engines.stop(run, now, cfg.stop.term_timeout, hung=True)
         run.kill_group(now, "the standby did not take over")

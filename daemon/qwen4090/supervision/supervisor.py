@@ -269,9 +269,8 @@ class Supervisor:
             if self.run is not None and self.state in states.CHILD_STATES:
                 self.fail(now, v)
                 continue
-            self.restarts.failure = v  # a group still going: after_child_gone gives up
+            self.restarts.fatal_gpu(v, group_gone=self.run is None)
             if self.run is None:
-                self.restarts.restart_at = None
                 self.give_up(now, EX_GPU, f"{v.cause.value}: {v.detail}")
 
     def harvest(self, now: float) -> None:
@@ -402,7 +401,7 @@ class Supervisor:
         if isinstance(out, Started):
             self.engines.add(out.run)
             self.launch = out.launch
-            self.restarts.failure = None
+            self.restarts.started()
             self.transition(now, S.STARTING, "spawned")
         elif isinstance(out, GiveUp):
             self.give_up(now, out.code, out.why)
@@ -448,7 +447,7 @@ class Supervisor:
         assert run is not None
         self.serve(run)  # before READY: the front opens on this engine's address
         self.transition(now, S.READY, why)
-        self.restarts.ready_since = now
+        self.restarts.ready(now)
         run.became_ready(now)
         tokens, kv_bytes = run.child.kv_cache()
         if self.p.gpu.remember_kv(run.launch, tokens, kv_bytes):
@@ -517,7 +516,7 @@ class Supervisor:
             if t.at(Step.FALL_BACK):  # now a normal restart
                 t.end()
                 self.engines.drop(run, now)
-                self.restarts.restart_at = now
+                self.restarts.restart_now(now)
                 self.log.warning("restart_scheduled", cause="failover_failed", delay=0.0,
                                  restarts=self.restarts.crashes.restarts)
                 return
@@ -537,13 +536,11 @@ class Supervisor:
                 assert self.run is not None
                 self.state_reason = f"failover: waking the standby (pid {self.run.child.pid})"
             else:  # it failed while the GPU let go: the normal restart
-                self.restarts.restart_at = now
+                self.restarts.restart_now(now)
             return
         r = self.restarts
-        if r.restart_at is not None and now >= r.restart_at:
-            if not self.gpu_released(now):
-                return
-            r.restart_at = None
+        if r.due(now) and self.gpu_released(now):
+            r.begun()
             self.transition(now, S.PREFLIGHT, f"restart {r.crashes.restarts}")
 
     def after_child_gone(self, now: float, tail: list[str]) -> None:
@@ -605,10 +602,7 @@ class Supervisor:
         started = self.state not in states.SERVING_STATES
         serving = self.state in ROW_SERVES
         takeover = self.keeper.takes_over(verdict, serving)
-        self.keeper.build = None  # a build ends with the engine it slept for
-        if self.keeper.run is not None and not self.keeper.ready:
-            self.keeper.discard(now, "the serving engine failed during the standby's build",
-                                self.cfg.stop.term_timeout)
+        self.keeper.serving_failed(now, self.cfg.stop.term_timeout)
         level = self.log.info if verdict.cause in NOT_FAILURES else self.log.error
         run = self.run
         level("vllm_failed", cause=verdict.cause.value, detail=verdict.detail,
