@@ -43,7 +43,8 @@ class Upstream:
         self.port = free_port()
         self.mode = "ok"  # ok | die (close before answering) | cut (2 chunks, then close)
         #                   | 500 | slow (stream 1 chunk per 0.1 s, 10 of them) | stuck
-        #                   | die-once (die, then ok)
+        #                   | die-once (die, then ok) | hang-die (no byte for 1 s, then
+        #                   closed: a hung engine, killed)
         self.seen: list[dict[str, Any]] = []
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
@@ -81,6 +82,9 @@ class Upstream:
         mode = self.mode
         if mode == "die-once":
             mode, self.mode = "die", "ok"
+        if mode == "hang-die":
+            await asyncio.sleep(1.0)
+            mode = "die"
         if mode == "die":
             assert request.transport is not None
             request.transport.close()

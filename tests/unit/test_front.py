@@ -438,3 +438,30 @@ def test_requests_are_counted_and_routed_by_engine(upstream: Upstream) -> None:
     finally:
         f.stop()
         other.close()
+
+
+def test_front_released_counts_a_replayed_requests_wait_from_its_arrival(upstream: Upstream
+                                                                         ) -> None:
+    # issue 30.6: a request in flight on an engine that hangs waits through the hang, is cut
+    # when the engine is killed, then held and replayed; the journal's longest_wait is the
+    # client's wait from its arrival (it counted from the replay: 0.54 s said for 62 s waited)
+    f = make_front(upstream)
+    try:
+        upstream.mode = "hang-die"
+        sent = time.monotonic()
+        later = Later(f.listen[1])
+        assert wait_until(lambda: len(upstream.seen) == 1)
+        f.command(Hold("hang"))  # the verdict; the kill closes its connection (1 s after)
+        assert wait_until(lambda: f.sample().holding == 1)
+        upstream.mode = "ok"
+        time.sleep(0.5)
+        f.command(Serve(*f.engine, 2))
+        status, _, _ = later.get()
+        waited = time.monotonic() - sent
+        assert status == 200 and f.totals.replayed == 1
+        assert isinstance(f.log, Log)
+        released = f.log.named("front_released")
+        assert released and released[-1]["longest_wait"] >= 1.4  # held only ~0.5 s of it
+        assert released[-1]["longest_wait"] <= waited + 0.05
+    finally:
+        f.stop()

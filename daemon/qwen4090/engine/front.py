@@ -157,7 +157,7 @@ class Front:
         self._in_flight = 0
         self._holding = 0
         self._unanswered: dict[int, float] = {}
-        self._held: dict[int, float] = {}  # waiting for an engine: since when
+        self._held: dict[int, float] = {}  # waiting for an engine: since the client sent it
         self._bytes = 0
         self._last_byte: float | None = None
         self.totals = Totals()
@@ -510,8 +510,9 @@ class Front:
         after = 0  # an engine newer than this one (after a failure: the next engine)
         fresh = False  # the last send's connection failed unanswered: a new one
         attempt = 1
+        origin = arrived  # the client's own wait counts from here, replays and all
         while True:
-            gen = await self._wait_for_engine(rid, arrived, after)
+            gen = await self._wait_for_engine(rid, arrived, after, origin)
             if gen is None:
                 return self._hold_timeout(request, arrived)
             if gen == HELD_FULL:
@@ -557,10 +558,13 @@ class Front:
                 after, attempt = gen, 2
                 arrived = self.clock()  # the replay waits for the next engine afresh
 
-    async def _wait_for_engine(self, rid: int, arrived: float, after: int) -> int | None:
+    async def _wait_for_engine(self, rid: int, arrived: float, after: int,
+                               origin: float | None = None) -> int | None:
         """The serving engine's generation (newer than ``after``), None past hold_timeout
         from ``arrived``, -1 when requests are refused, HELD_FULL when front.max_held wait
-        already."""
+        already.  ``origin``: when the client sent it (a replay's hold starts afresh, but
+        the wait front_released reports is the client's, from its arrival: issue 30.6)."""
+        origin = arrived if origin is None else origin
         assert self._changed is not None
         if self._open and self._gen > after and self._refusing is None:
             return self._gen
@@ -568,7 +572,7 @@ class Front:
             return HELD_FULL
         with self._lock:
             self._holding += 1
-            self._held[rid] = arrived
+            self._held[rid] = origin
             self.totals.held += 1
         if self._burst is not None:
             self._burst.held += 1
@@ -596,7 +600,7 @@ class Front:
                         t.queue_buckets[i] += 1
                         break
             if self._burst is not None:
-                self._burst.longest_wait = max(self._burst.longest_wait, waited)
+                self._burst.longest_wait = max(self._burst.longest_wait, self.clock() - origin)
 
     async def _send(self, request: web.Request, rid: int, gen: int, body: bytes, target: str,
                     fresh: bool = False) -> web.StreamResponse:
