@@ -18,9 +18,12 @@ client port and its status endpoint on; the bench waits for READY and for /statu
    ``standby.last_failover``, the journal's failover_* lines and /status transitions; the
    serving engine's KV tokens after;
 4. the load stops, so that the supervisor finds its quiet moment (``restart.standby_quiet``);
-   once the new standby starts, one client sends requests back to back until /status shows
-   state ready and ``standby.ready`` again (bounded): how long the rebuild took and the longest
-   wait of a request during it.
+   each time a build of the new standby is seen starting (state rebuilding, or the standby
+   building), for the first ``--probe-builds`` attempts (1), one request is sent at a random moment
+   of its first ``--probe-window`` seconds (a request ends a sleep-mode build, issue 30.4:
+   probing every attempt would keep the standby from ever being built), until /status shows
+   state ready and ``standby.ready`` again (bounded): how long the rebuild took, the attempts,
+   and the longest wait of those requests (a client's longest hold through a rebuild).
 
 Targets (issue 21): kill-engine p50 <= 2.0 s and max <= 3.0 s; hang max <= watch.hang_timeout
 + 2 s (kill-api is measured, with no target).  JSON (``--out``, rewritten after every fault, so
@@ -43,6 +46,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import signal
 import socket
@@ -141,7 +145,7 @@ def summarize(rows: list[dict[str, Any]], hang_timeout: float) -> dict[str, dict
         s["rebuilds_done"] = len(secs)
         s["rebuild_p50_s"] = round(statistics.median(secs), 1) if secs else None
         s["rebuild_max_s"] = round(max(secs), 1) if secs else None
-        s["rebuild_longest_wait_s"] = round(max(waits), 1) if waits else None
+        s["rebuild_longest_wait_s"] = round(max(waits), 2) if waits else None
         out[kind] = s
     return out
 
@@ -392,33 +396,40 @@ class Ticker:
 
 
 @dataclass
-class Prober:
-    """One client during the rebuild: a short request, its answer, ``every`` s, the next (a
-    paced client: back to back, it would take the CPU a new standby starts on, and in sleep mode
-    its requests are held anyway)."""
+class BuildProber:
+    """Requests sent at random moments through the rebuild: one per build attempt seen
+    starting, at a random moment of its first ``window`` seconds, for the first ``attempts``
+    attempts (a request ends a sleep-mode build, issue 30.4); each request's wait from its
+    sending to its answer is its hold."""
 
     sink: Load
-    every: float
-    stop: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
+    window: float
+    attempts: int
+    rng: random.Random = field(default_factory=random.Random)
+    probed: int = 0
+    seen: int = 0  # build attempts seen starting
+    building: bool = False
+    threads: list[threading.Thread] = field(default_factory=list)
 
-    def start(self) -> Prober:
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        return self
+    def observe(self, building: bool) -> None:
+        if building and not self.building:
+            self.seen += 1
+            if self.probed < self.attempts:
+                self.probed += 1
+                t = threading.Thread(target=self._one, args=(self.rng.uniform(0, self.window),),
+                                     daemon=True)
+                t.start()
+                self.threads.append(t)
+        self.building = building
 
-    def _run(self) -> None:
-        n = 0
-        while not self.stop.is_set():
-            n += 1
-            self.sink.one({"model": self.sink.model, "prompt": [900 - n % 800] * 8,
-                           "max_tokens": 4, "ignore_eos": True}, False)
-            self.stop.wait(self.every)
+    def _one(self, delay: float) -> None:
+        time.sleep(delay)
+        self.sink.one({"model": self.sink.model, "prompt": [900 - self.probed] * 8,
+                       "max_tokens": 4, "ignore_eos": True}, False)
 
     def finish(self, timeout: float) -> list[Outcome]:
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join(timeout)
+        for t in self.threads:
+            t.join(timeout)
         with self.sink.lock:
             return list(self.sink.outcomes)
 
@@ -437,7 +448,8 @@ class Bench:
     tick: float
     fault_timeout: float
     rebuild_timeout: float
-    probe_every: float
+    probe_window: float
+    probe_builds: int
     out: Doc
 
     def kv_tokens(self, doc: dict[str, Any] | None) -> tuple[int | None, int | None]:
@@ -517,10 +529,11 @@ class Bench:
         return row
 
     def rebuild(self, fault_at: float, serving_at: float | None) -> dict[str, Any]:
-        """No load (the supervisor's quiet moment), then one paced client from the moment the
-        new standby is seen building until state ready and standby.ready."""
+        """No load (the supervisor's quiet moment), then requests at random moments of the
+        first build attempts (BuildProber) until state ready and standby.ready."""
         res: dict[str, Any] = {"ok": False}
-        probe: Prober | None = None
+        probe = BuildProber(Load(self.d.port, clients=0, model=self.model), self.probe_window,
+                            self.probe_builds) if self.probe_builds > 0 else None
         deadline = time.monotonic() + self.rebuild_timeout
         try:
             while time.monotonic() < deadline:
@@ -530,18 +543,19 @@ class Bench:
                     break
                 if self.d.proc.poll() is not None:
                     raise AssertionError(f"the daemon exited (rc={self.d.proc.poll()})")
-                if probe is None and times["started_s"] is not None and self.probe_every > 0:
-                    probe = Prober(Load(self.d.port, clients=0, model=self.model),
-                                   self.probe_every).start()
-                    res["probe_from_s"] = round(time.monotonic() - fault_at, 1)
+                doc = self.watch.doc()
+                if probe is not None and doc is not None and times["gone_s"] is not None:
+                    probe.observe(doc.get("state") == "rebuilding"
+                                  or standby_of(doc).get("state") in BUILDING)
                 time.sleep(self.watch.every)
         finally:
             if probe is not None:  # a request still held at the end is waited for a while
                 outs = probe.finish(60.0 if res["ok"] else 1.0)
-                res.update(requests=len(outs), refused=sum(o.status is None for o in outs),
+                res.update(attempts=probe.seen, requests=len(outs),
+                           refused=sum(o.status is None for o in outs),
                            not_200=sum(o.status not in (200, None) for o in outs),
                            longest_wait_s=round(max((o.ended - o.sent for o in outs),
-                                                    default=0.0), 1))
+                                                    default=0.0), 2))
             res.update(rebuild_times(self.tl(fault_at), serving_at))
         return res
 
@@ -651,7 +665,8 @@ def run(args: argparse.Namespace, out: Doc, tmp: Path, cfg: dict[str, Any]) -> N
             out.doc["start"]["standby_ready_s"] = round(time.monotonic() - t_launch, 1)
             out.doc["start"]["standby"] = standby_of(doc)
         bench = Bench(d, watch, model, (ep, ep + 1), standby, args.clients, args.tick,
-                      args.fault_timeout, args.rebuild_timeout, args.probe_every, out)
+                      args.fault_timeout, args.rebuild_timeout, args.probe_window,
+                      args.probe_builds, out)
         t_first = time.monotonic()
         for kind in args.faults:
             for i in range(args.repeat):
@@ -703,8 +718,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault-timeout", type=float, default=0.0,
                     help="seconds for the first answer after a fault (0: hang_timeout + 90)")
     ap.add_argument("--rebuild-timeout", type=float, default=420.0)
-    ap.add_argument("--probe-every", type=float, default=0.5,
-                    help="seconds between the rebuild's probe requests (one client); 0: none")
+    ap.add_argument("--probe-window", type=float, default=30.0,
+                    help="a build attempt's first seconds in which its probe request is sent")
+    ap.add_argument("--probe-builds", type=int, default=1,
+                    help="build attempts that get a probe request (0: none)")
     ap.add_argument("--standby-timeout", type=float, default=600.0,
                     help="seconds after READY for the first standby.ready")
     ap.add_argument("--budget", type=float, default=0.0,

@@ -199,12 +199,14 @@ def test_an_oom_goes_to_the_ladder_not_to_the_standby() -> None:
 
 
 def test_a_standby_is_never_counted_as_serving() -> None:
-    h = StandbyHarness("awake", {"restart": {"backoff_initial": 50.0, "backoff_max": 60.0}})
+    h = StandbyHarness("awake")
     h.standby_ready()
+    for probe in h.probes.values():  # the restarted serving engine does not come up
+        probe.healthy = False
     h.children[0].exit(1, ["torch.OutOfMemoryError: CUDA out of memory."])
     h.step(0.25, 8)
-    assert h.sup.state is S.RESTARTING  # not READY: the standby alone serves nobody
-    assert h.sup.snapshot()["state"] == "restarting"
+    assert h.sup.state in (S.RESTARTING, S.PREFLIGHT, S.STARTING, S.LOADING)
+    assert h.sup.snapshot()["state"] != "ready"  # the standby alone serves nobody
 
 
 def test_standby_off_keeps_one_engine() -> None:
@@ -480,3 +482,43 @@ def test_every_engine_is_a_row_of_one_table_with_its_role_and_its_own_phase() ->
     assert pid in h.sup.engines.gpu_pids and signal.SIGKILL in h.children[-1].signals
     h.step(0.25)
     assert [r["role"] for r in h.sup.snapshot()["engines"]] == ["serving"]
+
+
+def test_a_request_during_the_standbys_start_ends_the_build_and_wakes_the_serving_engine(
+        ) -> None:
+    # issue 30.4: a client that comes while the standby starts waited for the whole build
+    # (47-55 s on the H200); now the build ends, the standby being started is stopped, the
+    # serving engine wakes and checks its answer, and the build is tried again later.
+    h = StandbyHarness("sleep")
+    h.run_until(S.READY)
+    h.probe_of(ENGINE).tokens_per_metrics = 1.0
+    h.until(lambda: h.sup.keeper.run is not None)  # the serving engine slept; the standby starts
+    assert h.sup.state is S.REBUILDING and h.probe_of(ENGINE).controls == ["/sleep?level=1"]
+    standby = h.children[-1]
+    h.front.holding = 1  # a client's request, held by the front
+    held = h.clock.t
+    h.until(lambda: h.sup.state is S.READY)
+    assert h.clock.t - held <= 1.0  # the wake and the check: a few steps, not the build
+    assert h.probe_of(ENGINE).controls == ["/sleep?level=1", "/wake_up"]
+    assert signal.SIGKILL in standby.signals and not h.sup.keeper.ready
+    interrupted = h.log.named("standby_build_interrupted")
+    assert interrupted and interrupted[0]["step"] == "standby" and interrupted[0]["waiting"] == 1
+    assert h.sup.snapshot()["standby"]["interruptions"] == 1
+    h.front.holding = 0
+    spawned = len(h.children)
+    h.step(1.0, 25)  # quiet again, but the next try waits REBUILD_BACKOFF[0] (30 s)
+    assert len(h.children) == spawned
+    h.until(lambda: h.sup.keeper.ready and h.sup.state is S.READY)
+    assert h.sup.keeper.interrupted_in_a_row == 0
+
+
+def test_a_request_before_the_serving_engine_sleeps_ends_the_build_at_once() -> None:
+    h = StandbyHarness("sleep")
+    h.run_until(S.READY)
+    h.probe_of(ENGINE).tokens_per_metrics = 1.0
+    h.until(lambda: h.sup.state is S.REBUILDING)  # the build's drain: nothing slept yet
+    h.front.holding = 1
+    h.step(0.25)
+    assert h.sup.state is S.READY and h.probe_of(ENGINE).controls == []
+    assert len(h.children) == 1 and h.sup.keeper.build is None
+    assert h.log.named("standby_build_interrupted")[0]["step"] in ("drain", "reference")

@@ -167,7 +167,11 @@ def test_engine_death_line_restarts_at_once_not_at_the_api_servers_exit() -> Non
     h.step(0.1)
     assert h.sup.state == State.RESTARTING
     assert h.failure.cause is Cause.ENGINE_DEAD
-    assert signal.SIGTERM in first.signals  # the group is stopped, not waited for
+    # the group is killed at once, not waited for: its API server serves nobody and would
+    # only wait for client connections to close (4.1 s of each such restart, issue 30.5)
+    assert first.signals == [signal.SIGTERM, signal.SIGCONT, signal.SIGKILL]
+    kill = next(kw for _, e, kw in h.log.events if e == "group_kill")
+    assert "EngineCore is dead" in kill["reason"]
     assert "engine_died" in h.log.names()
     h.run_until(State.READY)
     assert h.child is not first and h.sup.restarts.crashes.restarts == 1
@@ -186,7 +190,7 @@ def test_engine_death_after_an_oom_text_is_an_oom_for_the_ladder() -> None:
     assert h.failure.cause is Cause.OOM
 
 
-def test_exit_zero_is_a_failure_and_restarts_with_backoff() -> None:
+def test_exit_zero_is_a_failure_and_restarts() -> None:
     h = Harness()
     h.run_until(State.READY)
     first = h.child
@@ -194,7 +198,7 @@ def test_exit_zero_is_a_failure_and_restarts_with_backoff() -> None:
     h.step(0.1)
     assert h.sup.state == State.RESTARTING
     assert h.failure.cause is Cause.EXIT_0
-    assert h.sup.restarts.restart_at == pytest.approx(h.clock.t + 1.0, abs=0.01)  # first backoff
+    assert h.sup.restarts.restart_at == pytest.approx(h.clock.t, abs=0.01)  # it served: at once
     h.run_until(State.READY)
     assert h.child is not first and h.sup.restarts.crashes.restarts == 1
     assert h.notifier.sent.count("READY=1") == 1  # READY=1 once per service start
@@ -211,6 +215,26 @@ def test_crash_loop_ends_in_failed_75() -> None:
     assert [r.cause for r in h.sup.restarts.crashes.history] == ["crash"] * 3
     delays = [kw["delay"] for _, e, kw in h.log.events if e == "restart_scheduled"]
     assert delays == [1.0, 2.0]
+
+
+def test_a_run_that_served_restarts_at_once_a_failed_start_backs_off() -> None:
+    # issue 30.5: the front holds the clients of a run that served through its restart; a
+    # backoff would only lengthen their wait.  A start that fails backs off (a real crash
+    # loop), and the budget counts both.
+    h = Harness({"restart": {"budget_failures": 10}})
+    h.run_until(State.READY)
+    h.child.exit(1, ["ValueError: boom"])
+    h.step(0.1, n=2)
+    h.run_until(State.LOADING)
+    h.child.exit(1, ["ValueError: boom"])  # the next start fails before serving
+    h.step(0.1, n=2)
+    h.run_until(State.READY)
+    h.child.exit(1, ["ValueError: boom"])  # served again: at once, however many before
+    h.step(0.1, n=2)
+    events = [kw for _, e, kw in h.log.events if e == "restart_scheduled"]
+    assert [(kw["delay"], kw["served"]) for kw in events] == [(0.0, True), (2.0, False),
+                                                             (0.0, True)]
+    assert h.sup.restarts.crashes.budget.count(h.clock.t) == 3
 
 
 def test_stable_run_resets_backoff() -> None:

@@ -33,14 +33,15 @@ class Restarts:
         self.crashes = CrashLoop(cfg)  # restarts, history, budget, backoff
         self.failure: ExitVerdict | None = None
         self.restart_at: float | None = None
-        self.ready_since: float | None = None  # the serving run's READY
-        self.after_stable = False  # the failing run had been READY for restart.stable_after
+        self.ready_since: float | None = None  # the serving run's READY (None: not yet)
+        self.served = False  # the failing run had been READY
 
     # --- the start, serving, and for how long -----------------------------------------------
 
     def started(self) -> None:
-        """A new engine was spawned: the failure is behind."""
+        """A new engine was spawned: the failure is behind, and it has not served yet."""
         self.failure = None
+        self.ready_since = None
 
     def ready(self, now: float) -> None:
         self.ready_since = now
@@ -79,9 +80,11 @@ class Restarts:
     def failed(self, now: float, verdict: ExitVerdict, serving: bool, cfg: Config) -> None:
         # A failure found in this step's harvest comes before step_ready's own check.
         self.note_stable(now, serving, cfg)
-        # A run that served for restart.stable_after is restarted at once (issue 10.2): one
-        # fault after a long healthy period is not a crash loop; the next ones back off.
-        self.after_stable = self.served_stably(now, serving, cfg)
+        # A run that served is restarted at once (issue 30.5; issue 10.2 did so only after
+        # restart.stable_after): the front holds its clients through the restart, and a
+        # backoff would only lengthen their wait.  The backoff is for an engine that cannot
+        # even start (a real crash loop); the budget counts every failure either way.
+        self.served = self.ready_since is not None
         self.failure = verdict
 
     # --- the group is gone --------------------------------------------------------------------
@@ -116,14 +119,15 @@ class Restarts:
         return counted
 
     def schedule(self, now: float, counted: bool, cfg: Config, rand: random.Random) -> None:
-        """The next start: after the backoff, or at once after a stable run or an uncounted
-        failure."""
+        """The next start: at once after a run that served or an uncounted failure, else
+        after the backoff (a start that failed)."""
         v = self.failure
         assert v is not None
         delay = backoff_delay(self.crashes.consecutive, cfg.restart, rand) \
-            if counted and not self.after_stable else 0.0
+            if counted and not self.served else 0.0
         self.restart_at = now + delay
         self.log.warning("restart_scheduled", cause=v.cause.value, delay=round(delay, 2),
+                         served=self.served,
                          restarts=self.crashes.restarts,
                          failures_in_window=self.crashes.budget.count(now),
                          budget=cfg.restart.budget_failures)

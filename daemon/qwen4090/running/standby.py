@@ -196,6 +196,9 @@ class Keeper:
     failovers: int = 0
     fallbacks: int = 0
     rebuilds: int = 0
+    interruptions: int = 0  # builds a client's request ended (issue 30.4), in all
+    interrupted_in_a_row: int = 0  # ... since the last standby ready: the next try's backoff
+    clients_waiting: int = 0  # the front's held requests at this step (note_quiet)
     last_failover: Failover | None = None
     detail: str = ""
 
@@ -284,6 +287,7 @@ class Keeper:
         READY=1 went out and the first clients, sent on READY, waited out a sleep-mode build
         (50 s under the unit on the H200, 2026-12-03)."""
         busy = front is not None and (front.in_flight > 0 or front.holding > 0)
+        self.clients_waiting = front.holding if front is not None else 0
         if busy or not serving:
             self.quiet_since = None
         elif self.quiet_since is None:
@@ -368,6 +372,7 @@ class Keeper:
         self.phase, self.since = Phase.READY, now
         self.run.hold()
         self.failed_builds = 0
+        self.interrupted_in_a_row = 0
         self.detail = ""
         tokens, _ = self.run.child.kv_cache()
         self.kv_tokens = tokens
@@ -464,7 +469,11 @@ class Keeper:
 
     def _serving_step(self, now: float, b: Build, cfg: Config, serving: Run,
                       front: FrontSample | None) -> list[Ask]:
-        """Sleep mode: the serving engine's part of the build, bounded at each step."""
+        """Sleep mode: the serving engine's part of the build, bounded at each step; a client
+        that comes while the serving engine is awake or the standby starts ends the build."""
+        waiting = front.holding if front is not None else 0
+        if waiting and b.step in ("drain", "reference", "standby"):
+            return self._interrupt(now, b, cfg, serving, waiting)
         if b.step == "drain":
             left = 0 if front is None else front.in_flight - front.holding
             if left <= 0:
@@ -487,6 +496,31 @@ class Keeper:
                                    f"{limit:g}s")
             return self._wake_after(now, b, serving)
         return []
+
+    def _interrupt(self, now: float, b: Build, cfg: Config, serving: Run, waiting: int
+                   ) -> list[Ask]:
+        """A client's request came during the build (issue 30.4): the build ends and the
+        serving engine serves again, at once while it is awake, else after its wake and its
+        check (about half a second on the H200, instead of the standby's whole start); the
+        standby being started is stopped.  The build is tried again at a later quiet moment,
+        later each time it is interrupted again (REBUILD_BACKOFF), and says so: the journal's
+        standby_build_interrupted, /status's standby.interruptions."""
+        self.interruptions += 1
+        self.interrupted_in_a_row += 1
+        backoff = REBUILD_BACKOFF[min(self.interrupted_in_a_row, len(REBUILD_BACKOFF)) - 1]
+        self.next_try, self.quiet_since = now + backoff, None
+        why = f"interrupted: {waiting} requests came during its {b.step} step"
+        self.log.warning("standby_build_interrupted", step=b.step, waiting=waiting,
+                         retry_in=backoff, interruptions=self.interruptions)
+        b.outcome = why
+        run, self.answer = self.run, None
+        if run is not None:  # the standby being started: not needed now
+            self.engines.retire(run, now, cfg.stop.term_timeout, "its build was interrupted")
+        self.phase, self.since = Phase.WAITING, now
+        if b.step in ("drain", "reference"):  # the serving engine never slept
+            self.build = None
+            return [Ask("resume", why)]
+        return self._wake_after(now, b, serving)
 
     def _wake_after(self, now: float, b: Build, serving: Run) -> list[Ask]:
         b.step, b.step_since = "wake", now
@@ -512,6 +546,8 @@ class Keeper:
             if not result.ok:
                 self.build_failed(now, f"the serving engine did not sleep: {result.error}")
                 return self._wake_after(now, b, serving)
+            if self.clients_waiting:  # came during the sleep: wake it, no standby now
+                return self._interrupt(now, b, cfg, serving, self.clients_waiting)
             b.step, b.step_since = "standby", now
             self.start_standby(now, self.launch_for(cfg, serving.launch.engine))
             if self.run is None:  # could not even start
@@ -541,7 +577,7 @@ class Keeper:
                 "port": run.launch.engine.port if run is not None else None,
                 "seconds": round(now - self.since, 1), "kv_tokens": self.kv_tokens,
                 "failovers": self.failovers, "fallbacks": self.fallbacks,
-                "rebuilds": self.rebuilds,
+                "rebuilds": self.rebuilds, "interruptions": self.interruptions,
                 "last_failover": None if self.last_failover is None
                 else self.last_failover.as_json(),
                 "detail": self.detail}

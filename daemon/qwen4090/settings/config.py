@@ -195,17 +195,17 @@ class WatchConfig:
 
 @dataclass(frozen=True)
 class RestartConfig:
-    backoff_initial: float = opt(2.0, "seconds before the first restart (none after a run "
-                                      "that was READY for stable_after)", min=0, max=3600)
+    backoff_initial: float = opt(2.0, "seconds before the first restart after a start that "
+                                      "failed (none after a run that was READY: the front "
+                                      "holds its clients)", min=0, max=3600)
     backoff_max: float = opt(60.0, "longest wait between restarts", min=0, max=DAY)
     backoff_factor: float = opt(2.0, "growth of the wait after each failure", min=1, max=10)
     jitter: float = opt(0.2, "random +/- fraction added to each wait", min=0, max=1)
     budget_failures: int = opt(5, "failures allowed within budget_window before giving up "
                                   "(exit 75)", min=1, max=1000)
     budget_window: float = opt(600.0, "seconds of the crash-loop window", min=1, max=WEEK)
-    stable_after: float = opt(300.0, "seconds READY after which the backoff starts over and "
-                                     "the first restart is immediate", min=0,
-                              max=WEEK)
+    stable_after: float = opt(300.0, "seconds READY after which the backoff starts over",
+                              min=0, max=WEEK)
     # recovery (issue 10): what makes a restart shorter
     fixed_kv_budget: bool = opt(True, "start vLLM with --kv-cache-memory-bytes = the KV cache "
                                       "of the first start that reached READY with the same "
