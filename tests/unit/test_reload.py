@@ -122,7 +122,7 @@ def test_vllm_change_while_loading_restarts_and_ready_once_for_the_new_one() -> 
     assert h.sup.state == State.RESTARTING and h.sup.restarts.failure is not None
     assert h.sup.restarts.failure.cause is Cause.RELOAD and protocol(h) == []
     h.run_until(State.READY)
-    assert h.child is not first and h.sup.launch_cfg.vllm.max_num_seqs == 4
+    assert h.child is not first and h.sup.launch.config.vllm.max_num_seqs == 4
     assert protocol(h) == ["READY=1"]
 
 

@@ -146,7 +146,7 @@ def test_sleep_mode_build_holds_sleeps_the_serving_engine_and_wakes_it() -> None
     assert h.probe_of(ENGINE + 1).controls == ["/sleep?level=1"]
     seen = [(t.src, t.dst) for t in h.events if isinstance(t, Transition)]
     assert (S.READY, S.REBUILDING) in seen and (S.REBUILDING, S.READY) in seen
-    assert h.sup.launch_cfg.vllm.extra_args[-1] == "--enable-sleep-mode"
+    assert h.sup.launch.config.vllm.extra_args[-1] == "--enable-sleep-mode"
 
 
 def test_sleep_mode_hang_wakes_the_standby_and_checks_its_known_answer() -> None:

@@ -6,7 +6,25 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from qwen4090.launching.launchvalue import Launch, relaunch_changes
-from qwen4090.settings.config import Config, refused_keys, value_of
+from qwen4090.settings.config import Config, ConfigError, refused_keys, value_of
+
+
+def read(load: Callable[[], Config], old: Config, error: Callable[..., object]
+         ) -> tuple[Config | None, str]:
+    """The config read again for a reload, or None and why it is refused (said in the
+    journal by ``error``, the log's, with the files kept): a broken file, or a key the schema
+    refuses."""
+    try:
+        new = load()
+    except ConfigError as e:
+        error("reload_refused", error=str(e), keeping=",".join(old.sources))
+        return None, f"reload refused: {e}"
+    if why := refused(old, new):
+        error("reload_refused", error=f"{why} changed: the client port's owner changes "
+                                           "only with a restart (systemctl restart qwen4090)",
+                  keeping=",".join(old.sources))
+        return None, f"reload refused: {why} needs a restart"
+    return new, ""
 
 
 def refused(old: Config, new: Config) -> str:

@@ -14,6 +14,7 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
+from qwen4090.decide.policy import Cause
 from qwen4090.decide.results import FrontSample
 from qwen4090.parts.contracts import GpuLike, LogLike
 from qwen4090.running.run import Role, Run, Task
@@ -57,6 +58,19 @@ class Engines:
     def stop(self, run: Run, now: float, term_timeout: float, hung: bool) -> None:
         """Stop a row's group (its jobs cancelled); its pids wait for the GPU's release."""
         self.gpu_pids += run.abort(now, term_timeout, hung)
+
+    def stop_failed(self, run: Run, now: float, term_timeout: float, cause: Cause,
+                    takeover: bool) -> None:
+        """The serving row failed: its group is stopped (a hung engine is not waited for), and
+        killed outright when nothing of it could serve again: a standby takes over (a polite
+        stop would only delay it), or its EngineCore is dead (its API server serves nobody
+        and only waits for its clients' connections to close: 4.1 s of every such restart on
+        the H100, issue 30.5)."""
+        self.stop(run, now, term_timeout, hung=cause is Cause.HANG)
+        if takeover:
+            run.kill_group(now, "failover: the standby takes over")
+        elif cause is Cause.ENGINE_DEAD:
+            run.kill_group(now, "its EngineCore is dead: the API server serves nobody")
 
     def retire(self, run: Run, now: float, term_timeout: float, why: str) -> None:
         """A row nobody waits for any more (a standby not needed): killed, kept until gone."""

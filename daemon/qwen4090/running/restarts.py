@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from qwen4090.base.events import Event, Restarted, SteppedDown
 from qwen4090.base.redact import safe_error
@@ -21,8 +22,12 @@ from qwen4090.decide.policy import (
     backoff_delay,
 )
 from qwen4090.launching.launchvalue import Launch
-from qwen4090.parts.contracts import GpuLike, LogLike
+from qwen4090.parts.contracts import GpuLike, LogLike, Parts
+from qwen4090.running.engines import Engines
+from qwen4090.running.portguard import PortGuard
 from qwen4090.running.run import Run
+from qwen4090.running.standby import Keeper, Step
+from qwen4090.running.takeover import Takeover
 from qwen4090.settings.config import Config, RestartConfig
 
 
@@ -154,3 +159,108 @@ class Restarts:
             self.log.error("oom_ladder_exhausted", cause=v.detail,
                            hint="lower vllm.max_model_len / max_num_seqs, or use a smaller "
                                 "or quantized model")
+
+
+@dataclass(frozen=True)
+class Relaunch:
+    """The backoff is over and the GPU let go of the failed group: PREFLIGHT (``reason``)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Waking:
+    """The standby's row was promoted: the failover's wake and check are under way."""
+
+    pid: int
+
+
+Outcome = Relaunch | Waking | GiveUp | None
+
+
+class Restarting:
+    """RESTARTING, step by step (issue 29.3): the failed group's end (TERM, then KILL; its
+    last lines, judged again), the takeover's wait for the GPU and the standby's wake, the
+    budget and the backoff, then the next start.  It decides and acts on the table, the keeper
+    and the takeover, and returns what the supervisor must do with the daemon's state: a
+    Relaunch (PREFLIGHT), Waking (the failover goes on), GiveUp, or nothing yet."""
+
+    def __init__(self, restarts: Restarts, engines: Engines, takeover: Takeover, keeper: Keeper,
+                 port: PortGuard, parts: Parts) -> None:
+        self.r = restarts
+        self.engines = engines
+        self.takeover = takeover
+        self.keeper = keeper
+        self.port = port
+        self.p = parts
+
+    def step(self, now: float, cfg: Config, launch: Launch) -> Outcome:
+        run, t, r = self.engines.serving, self.takeover, self.r
+        if t.waking:  # the standby is taking over: its answers are harvested
+            t.overdue(now, cfg)
+            return None
+        if run is not None:
+            return self._group(now, run, cfg, launch)
+        if t.at(Step.GPU):
+            # an asleep standby wakes into the memory the failed group held: once it is
+            # released, or as soon as there is room for the standby anyway
+            if not self.engines.room_for_standby(now, self.p.gpu) \
+                    and not self.gpu_released(now, cfg, launch):
+                return None
+            if t.wake(now):
+                promoted = self.engines.serving
+                assert promoted is not None
+                return Waking(promoted.child.pid)
+            r.restart_now(now)  # it failed while the GPU let go: the normal restart
+            return None
+        if r.due(now) and self.gpu_released(now, cfg, launch):
+            r.begun()
+            return Relaunch(f"restart {r.crashes.restarts}")
+        return None
+
+    def _group(self, now: float, run: Run, cfg: Config, launch: Launch) -> Outcome:
+        """The failed group: gone, and its last lines in (never blocking the loop)."""
+        t, r = self.takeover, self.r
+        if not run.reap_group(now):
+            return None
+        if not run.last_lines_in(now) and not (t.at(Step.KILL)
+                                               and not run.tail_decides(r.failure)):
+            # a takeover does not wait for lines that cannot change it (a hang we ended: on
+            # the H200 the wait took 2 s of the failover, up to OUTPUT_WAIT)
+            return None
+        if t.at(Step.FALL_BACK):  # now a normal restart
+            t.end()
+            self.engines.drop(run, now)
+            r.restart_now(now)
+            r.log.warning("restart_scheduled", cause="failover_failed", delay=0.0,
+                          restarts=r.crashes.restarts)
+            return None
+        tail = run.child.tail_lines()
+        r.reclassify(run, tail, lambda v: self.port.judge(now, cfg.restart.port_wait, v))
+        self.engines.drop(run, now)
+        return self.gone(now, tail, cfg, launch)
+
+    def gone(self, now: float, tail: list[str], cfg: Config, launch: Launch) -> Outcome:
+        """The failed group is gone (or there was none): the end, the takeover, or the
+        restart after its backoff (the standby, with the old settings, is discarded)."""
+        r = self.r
+        counted = r.gone(now, self.p.wall(), tail, cfg, self.p.gpu, launch)
+        v = r.failure
+        assert v is not None
+        # the tail may have changed the verdict (an OOM is not taken over: the ladder's)
+        if isinstance(counted, GiveUp) or not self.keeper.takes_over(v, True):
+            self.takeover.end()
+        if isinstance(counted, GiveUp):
+            return counted
+        if self.takeover.current is not None:
+            self.takeover.group_gone(now)
+            return None
+        if self.keeper.run is not None:
+            self.keeper.discard(now, f"a restart after {v.cause.value}", cfg.stop.term_timeout)
+        r.schedule(now, counted, cfg, self.p.rand)
+        return None
+
+    def gpu_released(self, now: float, cfg: Config, launch: Launch) -> bool:
+        """Before a relaunch: the stopped groups' GPU memory is free (engines.py)."""
+        return self.engines.gpu_released(now, self.p.gpu, launch.config.gpu.device,
+                                         cfg.gpu.release_timeout)

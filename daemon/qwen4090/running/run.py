@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qwen4090.base import fdlimit, vllmfacts
-from qwen4090.base.events import HangSeen
+from qwen4090.base.events import HangSeen, WarmedUp
 from qwen4090.base.redact import safe_error
 from qwen4090.base.states import State
 from qwen4090.base.vllmfacts import RUNNING, WAITING
@@ -78,7 +78,17 @@ class Fail:
     event: HangSeen | None = None
 
 
-Verdict = Move | Fail
+@dataclass(frozen=True)
+class Ready:
+    """A verdict of the start: the run serves (its warmup's result, None without one; the
+    event to tell first)."""
+
+    reason: str
+    warmup: WarmupResult | None = None
+    event: WarmedUp | None = None
+
+
+Verdict = Move | Fail | Ready
 
 
 class _Verdicts:
@@ -268,6 +278,29 @@ class Run:
                                                    self.owner_check(ports)))
             self.next_load_poll = now + LOAD_POLL_INTERVAL
         return []
+
+    def on_health(self, now: float, res: tuple[HealthResult, PortOwner | None],
+                  stranger: Callable[[PortOwner | None], str | None], cfg: Config,
+                  warmup: Callable[..., Any]) -> list[Verdict]:
+        """LOADING: a 200 counts only from our own live vLLM (issue 8.2: an exited one is
+        reap's; ``stranger`` says who else answered on its port): WARMING, and the warmup
+        begins, or READY at once without one."""
+        health, owner = res
+        if not health.ok or self.child.poll() is not None or stranger(owner) is not None:
+            return []
+        self.log.info("health_ok", seconds_since_launch=round(now - self.spawned_at, 1))
+        warming = Move(State.WARMING, "/health answered 200")
+        if not cfg.warmup.enabled:
+            return [warming, Ready("warmup disabled")]
+        self.begin_warmup(now, warmup)
+        return [warming]
+
+    def on_warmup(self, res: WarmupResult, cfg: Config, step_times: StepTimesLike
+                  ) -> list[Verdict]:
+        """WARMING: the warmup's result (``warmed``): READY, or the failure."""
+        if (failed := self.warmed(res, cfg, step_times)) is not None:
+            return [Fail(failed)]
+        return [Ready("warmed up", res, WarmedUp(res.seconds, tuple(res.rows)))]
 
     def begin_warmup(self, now: float, warmup: Callable[..., Any]) -> None:
         self.phase = Phase.WARMING

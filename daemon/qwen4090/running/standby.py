@@ -380,6 +380,17 @@ class Keeper:
                       asleep=self.sleeps, kv_tokens=tokens,
                       seconds=round(now - self.run.spawned_at, 1))
 
+    def tick(self, now: float, cfg: Config, ports: Any, serving: Run | None,
+             front: FrontSample | None, state: State) -> list[Ask]:
+        """The supervisor's step for the standby: its own start, the build around it, and a
+        build begun when it is due (quiet, READY, after the backoff)."""
+        self.note_quiet(now, front, serving=state is State.READY)
+        asks = self.step(now, cfg, ports, serving, front)
+        if serving is not None and not asks and self.due(now, state, cfg):
+            ask = self.begin(now, serving, cfg)
+            asks += [ask] if ask is not None else []
+        return asks
+
     def step(self, now: float, cfg: Config, ports: Any, serving: Run | None,
              front: FrontSample | None) -> list[Ask]:
         """One step of the standby and of the build around it; what the supervisor must do."""
@@ -391,6 +402,14 @@ class Keeper:
         if b is not None and serving is not None and self.sleeps:
             asks += self._serving_step(now, b, cfg, serving, front)
         return asks
+
+    def engine_died(self, now: float, child: object, line: str, cfg: Config,
+                    serving: Run | None) -> list[Ask] | None:
+        """vLLM's line that an EngineCore died: the standby's, a loss (None: not its own)."""
+        run = self.run
+        if run is None or child is not run.child:
+            return None
+        return self.lost(now, f"its engine died: {line[:200]}", cfg, serving)
 
     def on_exit(self, now: float, run: Run, rc: int, cfg: Config, serving: Run | None
                 ) -> list[Ask]:

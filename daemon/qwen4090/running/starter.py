@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 from qwen4090.base import fdlimit
 from qwen4090.decide.policy import EX_CONFIG, Cause, ExitVerdict, GiveUp
+from qwen4090.decide.results import PortOwner
 from qwen4090.launching.launchvalue import Launch, engine_endpoint
-from qwen4090.parts.contracts import LogLike, Parts
+from qwen4090.parts.contracts import LogLike, Parts, PortsLike
 from qwen4090.running.portguard import PortGuard
 from qwen4090.running.run import Run
 from qwen4090.settings.config import Config, ConfigError
@@ -37,6 +38,17 @@ class Starter:
         # A look that found no file descriptor (fdlimit.py): said once per burst, and the
         # preflight that could not look runs again at look_again_at, not counted.
         self.look_again_at: float | None = None
+
+    def stranger(self, run: Run | None, ports: PortsLike, owner: PortOwner | None = None
+                 ) -> str | None:
+        """Who listens on the serving engine's port when it is not our child's group (None:
+        ours, and the port's wait is over: our vLLM listens)."""
+        if run is None:
+            return None
+        holder = run.stranger_on_port(ports, owner)
+        if holder is None and run.child.poll() is None:
+            self.port.ours()
+        return holder
 
     def step(self, now: float, cfg: Config) -> StartStep:
         if self.look_again_at is not None:

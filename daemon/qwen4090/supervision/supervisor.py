@@ -22,7 +22,7 @@ from dataclasses import asdict
 from typing import Any
 
 from qwen4090.base import fdlimit, states
-from qwen4090.base.events import ChildExitSeen, Inbox, Reloaded, Transition, WarmedUp
+from qwen4090.base.events import ChildExitSeen, Inbox, Reloaded, Transition
 from qwen4090.base.states import State
 from qwen4090.base.steering import Drain, Hold, Refuse, Serve
 from qwen4090.decide.policy import EX_GPU, EX_OK, NOT_FAILURES, Cause, ExitVerdict
@@ -39,12 +39,12 @@ from qwen4090.parts import statusline
 from qwen4090.parts.contracts import ChildLike, Parts, Published
 from qwen4090.parts.telling import Teller
 from qwen4090.running.engines import Engines
-from qwen4090.running.restarts import Restarts
-from qwen4090.running.run import Fail, Job, Move, Role, Run, Task, Verdict
+from qwen4090.running.restarts import Outcome, Relaunch, Restarting, Restarts, Waking
+from qwen4090.running.run import Job, Move, Ready, Role, Run, Task, Verdict
 from qwen4090.running.standby import Ask, Keeper, Step
 from qwen4090.running.starter import GiveUp, Started, Starter
 from qwen4090.running.takeover import Takeover
-from qwen4090.settings.config import Config, ConfigError, changed_sections
+from qwen4090.settings.config import Config, changed_sections
 
 S = State
 
@@ -87,15 +87,12 @@ class Supervisor:
                              lambda c, e: self.p.gpu.launch(c, e), since=now)
         # the takeover of the failure being handled (RESTARTING's sub-state; takeover.py)
         self.takeover = Takeover(self.engines, self.keeper, self.log, self.tell.emit)
+        self.restarting = Restarting(self.restarts, self.engines, self.takeover, self.keeper,
+                                     self.starter.port, parts)
         self.published = Published({}, cfg, None, now)
         self.step_safely(now, self.publish)
 
     # --- public surface ------------------------------------------------------------------
-
-    @property
-    def launch_cfg(self) -> Config:
-        """The config the current vLLM runs with (auto resolved, learned applied)."""
-        return self.launch.config
 
     @property
     def run(self) -> Run | None:
@@ -107,20 +104,13 @@ class Supervisor:
         return self.run.child if self.run is not None else None
 
     @property
-    def last_metrics(self) -> MetricsResult | None:
-        """vLLM's last /metrics answer while it serves (/status shows its gauges)."""
-        return self.run.last_metrics if self.run is not None else None
-
-    @property
     def done(self) -> bool:
         return self.state in states.FINAL_STATES
 
     def next_wakeup(self, now: float) -> float:
-        """Seconds the loop may sleep before the next step is due: the earliest deadline of the
-        daemon (the backoff's end), of the run's judges (kill schedule, drain, polls, the
-        hang deadline, the load timeout) and of the standby's row (Keeper.deadlines).  The
-        step after a transition runs at once; a job's result and a signal wake the loop
-        themselves."""
+        """Seconds the loop may sleep: the earliest deadline of the daemon, of every row and of
+        the standby's build (the step after a transition runs at once; a job's result and a
+        signal wake the loop themselves)."""
         if self.moved:
             return 0.0
         run = self.run
@@ -172,7 +162,8 @@ class Supervisor:
     def publish(self, now: float) -> None:
         """What the status endpoint shows from now on (one attribute write: its threads read
         either this one or the one before, whole)."""
-        self.published = Published(self.snapshot(), self.cfg, self.last_metrics, now)
+        metrics = self.run.last_metrics if self.run is not None else None  # (/status's gauges)
+        self.published = Published(self.snapshot(), self.cfg, metrics, now)
 
     def snapshot(self) -> dict[str, Any]:
         """Facts for status output (JSON-friendly): /status, `qwen4090 status`, the page."""
@@ -217,21 +208,10 @@ class Supervisor:
         if self.done or self.state == S.STOPPING:
             return
         announce = self.tell.reloading()
-        try:
-            new = self.p.load_config()
-        except ConfigError as e:
-            self.log.error("reload_refused", error=str(e), keeping=",".join(self.cfg.sources))
+        new, refused = reloading.read(self.p.load_config, self.cfg, self.log.error)
+        if new is None:
             if announce:
-                self.tell.reloaded(self.status_line(now, note="reload refused: " + str(e)))
-            return
-        if why := reloading.refused(self.cfg, new):
-            self.log.error("reload_refused", error=f"{why} changed: the client port's owner "
-                                                   "changes only with a restart (systemctl "
-                                                   "restart qwen4090)",
-                           keeping=",".join(self.cfg.sources))
-            if announce:
-                self.tell.reloaded(self.status_line(now, note=f"reload refused: {why} "
-                                                              "needs a restart"))
+                self.tell.reloaded(self.status_line(now, note=refused))
             return
         changed = changed_sections(self.cfg, new)
         old = self.cfg
@@ -328,9 +308,8 @@ class Supervisor:
         until its own watchdog ends it, seconds later (issue 10.2)."""
         while self.inbox.engine_deaths:
             child, line = self.inbox.engine_deaths.popleft()
-            if self.keeper.run is not None and child is self.keeper.run.child:
-                self.carry_out(now, self.keeper.lost(now, f"its engine died: {line[:200]}",
-                                                     self.cfg, self.run))
+            if (asks := self.keeper.engine_died(now, child, line, self.cfg, self.run)) is not None:
+                self.carry_out(now, asks)
                 continue
             run = self.run
             if run is None or child is not run.child or self.state not in states.CHILD_STATES:
@@ -362,14 +341,8 @@ class Supervisor:
         k = self.keeper
         if not k.on and k.run is None:
             return
-        serving = self.serving_run()
-        front = self.p.front.sample()
-        k.note_quiet(now, front, serving=self.state is S.READY)
-        self.carry_out(now, k.step(now, self.cfg, self.p.ports, serving, front))
-        if serving is not None and k.due(now, self.state, self.cfg):
-            ask = k.begin(now, serving, self.cfg)
-            if ask is not None:
-                self.carry_out(now, [ask])
+        self.carry_out(now, k.tick(now, self.cfg, self.p.ports, self.serving_run(),
+                                   self.p.front.sample(), self.state))
 
     def carry_out(self, now: float, asks: list[Ask]) -> None:
         for ask in asks:
@@ -389,10 +362,6 @@ class Supervisor:
     def serving_run(self) -> Run | None:
         """The serving row's run while it serves (or sleeps for a build), else None."""
         return self.run if self.state in ROW_SERVES else None
-
-    def step_rebuilding(self, now: float) -> None:
-        """The serving engine sleeps (or wakes) for a standby's build: no polls nor canaries
-        (an engine asleep answers none); the keeper bounds each step."""
 
     # --- per-state steps -----------------------------------------------------------------
 
@@ -417,30 +386,16 @@ class Supervisor:
 
     def on_health(self, now: float, res: tuple[HealthResult, PortOwner | None],
                   started: float) -> None:
-        # A 200 counts only from our own live vLLM (issue 8.2): an exited one is reap's.
-        run = self.run
-        if self.state != S.LOADING or run is None:
-            return
-        health, owner = res
-        if health.ok and run.child.poll() is None and self.stranger_on_port(owner) is None:
-            self.log.info("health_ok", seconds_since_launch=round(now - run.spawned_at, 1))
-            self.transition(now, S.WARMING, "/health answered 200")
-            if not self.cfg.warmup.enabled:
-                self.warmup = None
-                self.become_ready(now, "warmup disabled")
-                return
-            run.begin_warmup(now, self.p.warmup)
+        if self.state is S.LOADING and (run := self.run) is not None:
+            self.act(now, run.on_health(now, res, self.stranger, self.cfg, self.p.warmup))
 
     def on_warmup(self, now: float, res: WarmupResult, started: float) -> None:
-        if self.state != S.WARMING:
-            return
-        self.warmup = res
-        assert self.run is not None
-        if (failed := self.run.warmed(res, self.cfg, self.p.step_times)) is not None:
-            self.fail(now, failed)
-            return
-        self.tell.emit(WarmedUp(res.seconds, tuple(res.rows)))
-        self.become_ready(now, "warmed up")
+        if self.state is S.WARMING and (run := self.run) is not None:
+            self.warmup = res
+            self.act(now, run.on_warmup(res, self.cfg, self.p.step_times))
+
+    def stranger(self, owner: PortOwner | None = None) -> str | None:
+        return self.starter.stranger(self.run, self.p.ports, owner)
 
     def become_ready(self, now: float, why: str) -> None:
         run = self.run
@@ -475,7 +430,7 @@ class Supervisor:
         if self.state not in states.SERVING_STATES or run is None:
             return
         health, metrics, owner = res
-        stranger = self.stranger_on_port(owner) if health.ok else None
+        stranger = self.stranger(owner) if health.ok else None
         self.act(now, run.on_poll(now, (health, metrics), started, self.state, self.cfg.watch,
                                   stranger, self.p.front.sample()))
 
@@ -486,85 +441,32 @@ class Supervisor:
             self.fail(now, verdict)
 
     def act(self, now: float, verdicts: list[Verdict]) -> None:
-        """Carry out the serving watch's verdicts, in order (a failure ends them)."""
+        """Carry out a run's verdicts, in order (a failure or READY ends them)."""
         for v in verdicts:
             if isinstance(v, Move):
                 if self.state is not v.to:
                     self.transition(now, v.to, v.reason)
                 continue
-            assert isinstance(v, Fail)
             if v.event is not None:
                 self.tell.emit(v.event)
-            self.fail(now, v.verdict)
+            if isinstance(v, Ready):
+                self.warmup = v.warmup
+                self.become_ready(now, v.reason)
+            else:
+                self.fail(now, v.verdict)
             return
 
     def step_restarting(self, now: float) -> None:
-        run, t = self.run, self.takeover
-        if t.waking:  # the standby is taking over: its answers are harvested
-            t.overdue(now, self.cfg)
-            return
-        if run is not None:
-            if not run.reap_group(now):
-                return
-            if not run.last_lines_in(now) and not (t.at(Step.KILL)
-                                                   and not run.tail_decides(
-                                                       self.restarts.failure)):
-                # vLLM's last lines are still on their way (never blocking the loop); a
-                # takeover does not wait for lines that cannot change it (a hang we ended:
-                # on the H200 the wait took 2 s of the failover, up to OUTPUT_WAIT)
-                return
-            if t.at(Step.FALL_BACK):  # now a normal restart
-                t.end()
-                self.engines.drop(run, now)
-                self.restarts.restart_now(now)
-                self.log.warning("restart_scheduled", cause="failover_failed", delay=0.0,
-                                 restarts=self.restarts.crashes.restarts)
-                return
-            tail = run.child.tail_lines()
-            self.restarts.reclassify(run, tail, lambda v: self.starter.port.judge(
-                now, self.cfg.restart.port_wait, v))
-            self.engines.drop(run, now)
-            self.after_child_gone(now, tail)
-            return
-        if t.at(Step.GPU):
-            # an asleep standby wakes into the memory the failed group held: once it is
-            # released, or as soon as there is room for the standby anyway
-            if not self.engines.room_for_standby(now, self.p.gpu) \
-                    and not self.gpu_released(now):
-                return
-            if t.wake(now):
-                assert self.run is not None
-                self.state_reason = f"failover: waking the standby (pid {self.run.child.pid})"
-            else:  # it failed while the GPU let go: the normal restart
-                self.restarts.restart_now(now)
-            return
-        r = self.restarts
-        if r.due(now) and self.gpu_released(now):
-            r.begun()
-            self.transition(now, S.PREFLIGHT, f"restart {r.crashes.restarts}")
+        """The failed group's end, the takeover or the backoff (restarts.Restarting)."""
+        self.on_restart(now, self.restarting.step(now, self.cfg, self.launch))
 
-    def after_child_gone(self, now: float, tail: list[str]) -> None:
-        r = self.restarts
-        counted = r.gone(now, self.p.wall(), tail, self.cfg, self.p.gpu, self.launch)
-        v = r.failure
-        assert v is not None
-        # the tail may have changed the verdict (an OOM is not taken over: the ladder's)
-        if isinstance(counted, GiveUp) or not self.keeper.takes_over(v, True):
-            self.takeover.end()
-        if isinstance(counted, GiveUp):
-            self.give_up(now, counted.code, counted.why)
-        elif self.takeover.current is not None:
-            self.takeover.group_gone(now)
-        else:
-            if self.keeper.run is not None:  # a restart: the standby has the old settings
-                self.keeper.discard(now, f"a restart after {v.cause.value}",
-                                    self.cfg.stop.term_timeout)
-            r.schedule(now, counted, self.cfg, self.p.rand)
-
-    def gpu_released(self, now: float) -> bool:
-        """Before a relaunch: the stopped groups' GPU memory is free (engines.py)."""
-        return self.engines.gpu_released(now, self.p.gpu, self.launch.config.gpu.device,
-                                         self.cfg.gpu.release_timeout)
+    def on_restart(self, now: float, out: Outcome) -> None:
+        if isinstance(out, Relaunch):
+            self.transition(now, S.PREFLIGHT, out.reason)
+        elif isinstance(out, Waking):
+            self.state_reason = f"failover: waking the standby (pid {out.pid})"
+        elif isinstance(out, GiveUp):
+            self.give_up(now, out.code, out.why)
 
     def step_stopping(self, now: float) -> None:
         """The drain, then every group's TERM and KILL (engines.py); STOPPED once none is
@@ -575,22 +477,13 @@ class Supervisor:
             self.transition(now, S.STOPPED, "stopped")
 
     def step_stopped(self, now: float) -> None:
-        pass
+        """Nothing to step: STOPPED and FAILED are final; in REBUILDING the serving engine
+        sleeps (or wakes) for a standby's build: no polls nor canaries (an engine asleep
+        answers none), and the keeper bounds each step of the build."""
 
-    step_failed = step_stopped
+    step_failed = step_rebuilding = step_stopped
 
     # --- vLLM's port: ours, or a stranger's (issue 8.2; portguard.py) --------------------------
-
-    def stranger_on_port(self, owner: PortOwner | None = None) -> str | None:
-        """Who listens on vLLM's port when it is not our child's group (None: ours, and the
-        port wait is over: our vLLM listens)."""
-        run = self.run
-        if run is None:
-            return None
-        holder = run.stranger_on_port(self.p.ports, owner)
-        if holder is None and run.child.poll() is None:
-            self.starter.port.ours()
-        return holder
 
     # --- failure ----------------------------------------------------------------------------
 
@@ -615,18 +508,12 @@ class Supervisor:
         else:
             self.takeover.end()
         if run is None:
-            self.after_child_gone(now, [])
+            self.on_restart(now, self.restarting.gone(now, [], self.cfg, self.launch))
             return
         if started and self.p.gpu.forget_kv(run.launch):
             self.log.warning("kv_budget_forgotten", reason="a start with the fixed KV budget "
                                                            "failed; the next one profiles again")
-        self.engines.stop(run, now, self.cfg.stop.term_timeout, verdict.cause is Cause.HANG)
-        if takeover:  # a polite stop of a failed engine would only delay the standby
-            run.kill_group(now, "failover: the standby takes over")
-        elif verdict.cause is Cause.ENGINE_DEAD:
-            # Its API server serves nobody and only waits for its clients' connections to
-            # close: 4.1 s of every such restart on the H100 (issue 30.5), 2 x KILL_GRACE here.
-            run.kill_group(now, "its EngineCore is dead: the API server serves nobody")
+        self.engines.stop_failed(run, now, self.cfg.stop.term_timeout, verdict.cause, takeover)
 
     def give_up(self, now: float, code: int, why: str) -> None:
         self.keeper.discard(now, f"giving up: {why}", self.cfg.stop.term_timeout)
@@ -655,7 +542,7 @@ class Supervisor:
         run, c, r = self.run, self.cfg, self.restarts
         return statusline.Facts(
             state=self.state, reason=self.state_reason, seconds=now - self.state_since,
-            vllm=self.launch_cfg.vllm, restarts=self.restarts.crashes.restarts,
+            vllm=self.launch.config.vllm, restarts=self.restarts.crashes.restarts,
             warmup=self.warmup,
             pid=run.child.pid if run else None,
             run_seconds=now - run.spawned_at if run else 0.0,
