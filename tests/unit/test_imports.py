@@ -11,8 +11,11 @@ cycle; the fix is to move the shared piece down a layer).
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+import pytest
 
 import qwen4090
 
@@ -370,3 +373,34 @@ def test_the_supervisor_class_stays_small() -> None:
     assert lines <= SUPERVISOR_CLASS_LINES, f"Supervisor is {lines} lines"
     assert len(attrs) <= SUPERVISOR_ATTRIBUTES, f"Supervisor has {len(attrs)}: {sorted(attrs)}"
     assert {"state", "engines", "keeper", "takeover", "restarts"} <= attrs  # it read the class
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_readmes_layout_lists_every_folder_and_module() -> None:
+    """README's Layout is the folder list with each folder's modules (issue 29.7): a module
+    added, moved or removed without it fails here (the source tree only: the installed
+    package has no README beside it)."""
+    if not README.is_file():
+        pytest.skip("no README.md beside the package (an installed copy)")
+    text = README.read_text()
+    start, end = text.index("<!-- layout:"), text.index("<!-- /layout -->")
+    block = text[start:end]
+    listed = {line.split("`")[1].rstrip("/"): set(re.findall(r"`(\w+\.py)`", line + rest))
+              for line, rest in _folder_lines(block)}
+    want = {layer: {p.name for p in (PACKAGE / layer).glob("*.py") if p.name != "__init__.py"}
+            for layer in LAYERS}
+    assert list(listed) == list(LAYERS), "README's Layout: the folders, bottom to top"
+    assert listed == want, "README's Layout: each folder's modules"
+
+
+def _folder_lines(block: str) -> list[tuple[str, str]]:
+    """Each '- `folder/` ...' item of the block with the lines that continue it."""
+    items: list[tuple[str, str]] = []
+    for line in block.splitlines():
+        if line.startswith("- `") and "/`" in line.split(" ")[1]:
+            items.append((line, ""))
+        elif items and line.startswith("  "):
+            items[-1] = (items[-1][0], items[-1][1] + line)
+    return items
