@@ -246,3 +246,17 @@ def test_the_bench_runs_with_the_servers_environment(monkeypatch: pytest.MonkeyP
     assert env["PYTHONFAULTHANDLER"] == "1" and env["PATH"] == "/usr/bin"
     assert "NOTIFY_SOCKET" not in env
     assert bench.bench_env(from_dict({}), {})["HF_HUB_OFFLINE"] == "1"
+
+
+def test_the_soak_passes_only_when_nothing_false_happened() -> None:
+    import importlib
+
+    soak = importlib.import_module("bench.soak")
+    quiet = {"hang_detected": 0, "failover_started": 0, "vllm_failed": 0}
+    ok = {"ok": 900, "failed": 0, "refused_expected": 12}
+    assert soak.verdict(quiet, ok, {}) == ("PASS", [])
+    assert soak.verdict({**quiet, "hang_detected": 1}, ok, {}) == \
+        ("FAIL", ["1 x hang_detected"])
+    assert soak.verdict(quiet, ok, {"hang": 2}) == ("FAIL", ["2 restart(s) for hang"])
+    assert soak.verdict(quiet, {**ok, "failed": 3}, {"hang": 0}) == \
+        ("FAIL", ["3 failed request(s)"])

@@ -465,3 +465,33 @@ def test_front_released_counts_a_replayed_requests_wait_from_its_arrival(upstrea
         assert released[-1]["longest_wait"] <= waited + 0.05
     finally:
         f.stop()
+
+
+def test_the_gaps_of_a_streamed_answer_are_the_engines_steps(upstream: Upstream) -> None:
+    # mode "slow": ten chunks 0.1 s apart; the front keeps the longest gap between two chunks
+    # of one answer (the hang bound follows it: issue 30.3), not the wait for the first one
+    f = make_front(upstream)
+    try:
+        request(f.listen[1])  # not streamed: no gap
+        assert f.sample().longest_gap is None
+        upstream.mode = "slow"
+        status, _, body = request(f.listen[1], stream=True)
+        assert status == 200 and body.count(b"data: ") == 11
+        gap = f.sample().longest_gap
+        assert gap is not None and 0.08 <= gap < 1.0, gap
+    finally:
+        f.stop()
+
+
+def test_gaps_are_a_sliding_window_maximum() -> None:
+    g = front_mod.Gaps(10.0)
+    assert g.longest(0.0) is None
+    g.add(0.0, 2.0)
+    g.add(1.0, 0.5)
+    g.add(2.0, 1.0)
+    assert g.longest(5.0) == 2.0
+    assert g.longest(10.5) == 1.0  # the 2 s gap left the window; the 1 s one is the longest
+    assert g.longest(12.5) is None
+    g.add(20.0, 0.3)
+    g.add(21.0, 0.4)
+    assert g.longest(21.0) == 0.4 and len(g._q) == 1  # smaller, older gaps are dropped

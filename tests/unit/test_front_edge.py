@@ -304,3 +304,32 @@ def test_status_says_while_a_limit_refuses_clients() -> None:
     assert "refusing" not in line("")
     assert line("refusing clients: 7 over front.max_connections").endswith(
         "; refusing clients: 7 over front.max_connections")
+
+
+@pytest.mark.parametrize("split", [None, 3, 1000])
+def test_a_large_body_sent_right_behind_its_head_is_not_a_large_head(
+        upstream: Upstream, split: int | None) -> None:
+    # the soak's tokenizer-heavy request (issue 30.3): a 400 KB text prompt sent in one write
+    # with its head got 431 "head larger than 64 KiB" -- the body arrived before the handler
+    # had started, and every byte counted as head.  ``split``: the blank line cut across two
+    # writes at this offset from its start (None: one write)
+    f = make_front(upstream)
+    try:
+        body = json.dumps({"model": "m", "prompt": "w " * 200_000}).encode()
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+        with socket.create_connection(("127.0.0.1", f.listen[1]), timeout=10) as s:
+            if split is None:
+                s.sendall(head + body)
+            else:
+                at = len(head) - 4 + min(split, 3)
+                s.sendall(head[:at])
+                time.sleep(0.05)
+                s.sendall(head[at:] + body)
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        assert len(upstream.seen) == 1
+    finally:
+        f.stop()

@@ -18,6 +18,7 @@ from qwen4090.decide.policy import (
     canary_counts,
     classify_exit,
     drain_busy,
+    hang_bound,
     oom_evidence,
     tokens_moved,
 )
@@ -148,14 +149,14 @@ def test_hang_verdict_owns_both_thresholds() -> None:
     """The supervisor's two thresholds (restart at hang_timeout, DEGRADED after two flat
     polls) are the detector's, and a reload's [watch] moves them without losing the stall."""
     h = HangDetector(10, poll_interval=2)
-    assert h.judge(0, Progress(1, 0, 5)) == HangVerdict(0.0, hung=False, stalling=False)
-    assert h.judge(3, Progress(1, 0, 5)) == HangVerdict(3.0, hung=False, stalling=False)
-    assert h.judge(4, Progress(1, 0, 5)) == HangVerdict(4.0, hung=False, stalling=True)
-    assert h.judge(10, Progress(1, 0, 5)) == HangVerdict(10.0, hung=True, stalling=True)
+    assert h.judge(0, Progress(1, 0, 5)) == HangVerdict(0.0, False, False, 10)
+    assert h.judge(3, Progress(1, 0, 5)) == HangVerdict(3.0, False, False, 10)
+    assert h.judge(4, Progress(1, 0, 5)) == HangVerdict(4.0, False, True, 10)
+    assert h.judge(10, Progress(1, 0, 5)) == HangVerdict(10.0, True, True, 10)
     h.reconfigure(hang_timeout=20, poll_interval=10)
-    assert h.judge(11, Progress(1, 0, 5)) == HangVerdict(11.0, hung=False, stalling=False)
+    assert h.judge(11, Progress(1, 0, 5)) == HangVerdict(11.0, False, False, 20)
     assert h.judge(20, Progress(1, 0, 5)).hung
-    assert h.judge(21, Progress(1, 0, 6)) == HangVerdict(0.0, hung=False, stalling=False)
+    assert h.judge(21, Progress(1, 0, 6)) == HangVerdict(0.0, False, False, 20)
     # without a poll interval it never calls a stall "stalling" (the plain detector)
     assert not HangDetector(10).judge(0, Progress(1, 0, 5)).stalling
 
@@ -202,3 +203,61 @@ def test_engine_death_lines_of_vllm_026_and_cpu_032() -> None:
     v = engine_dead_verdict(["INFO: fine"], "engine core exited unexpectedly")
     assert v.cause is Cause.ENGINE_DEAD and v.retry and "engine core exited" in v.detail
     assert engine_dead_verdict(["CUDA out of memory"], "EngineDeadError").cause is Cause.OOM
+
+
+# --- the fast hang verdict (issue 30.3) -------------------------------------------------------
+
+
+def test_the_hang_bound_is_three_steps_within_floor_and_ceiling() -> None:
+    assert hang_bound(60, 1.5, 0.28, None) == 1.5  # an H200 step: the floor
+    assert hang_bound(60, 1.5, 0.28, 0.9) == pytest.approx(2.7)  # the load's steps are longer
+    assert hang_bound(60, 1.5, 4.0, 0.5) == 12.0  # a CPU prefill
+    assert hang_bound(10, 1.5, 30.0, None) == 10  # never above hang_timeout
+    assert hang_bound(60, 1.5, None, None) == 1.5  # nothing measured yet: the floor
+
+
+def engine(running: float, tokens: float, answered_in: float | None = 0.01,
+           front_running: float | None = None) -> Progress:
+    """A sample: vLLM's gauge ``running``, the front's count ``front_running`` (its own
+    witness), a /metrics answer that took ``answered_in``."""
+    return Progress(running if front_running is None else front_running, 0, tokens,
+                    engine_running=running, answered_in=answered_in)
+
+
+def test_a_busy_engine_that_answers_promptly_is_hung_at_the_bound() -> None:
+    h = HangDetector(60, poll_interval=5, floor=1.5)
+    h.set_steps(0.28, None)
+    assert h.bound == 1.5
+    h.judge(0, engine(2, 10))
+    assert not h.judge(1.4, engine(2, 10)).hung
+    v = h.judge(1.5, engine(2, 10))
+    assert v.hung and v.bound == 1.5
+    assert h.deadline() == 1.5  # the poll that decides comes at the bound, not a minute later
+
+
+def test_a_request_vllm_has_not_scheduled_waits_for_hang_timeout() -> None:
+    # a tokenizer-heavy request: the front counts it in flight, vLLM's gauge says 0 (it is
+    # still in the API server): its silence is not a hang until the ceiling
+    h = HangDetector(60, poll_interval=5, floor=1.5)
+    h.judge(0, engine(0, 10, front_running=1))
+    assert not h.judge(30, engine(0, 10, front_running=1)).hung
+    assert h.judge(60, engine(0, 10, front_running=1)).hung
+
+
+def test_a_slow_api_server_is_not_judged_by_the_fast_bound() -> None:
+    # its /metrics took a second: a CPU-starved API server relays late too; only the ceiling
+    h = HangDetector(60, poll_interval=5, floor=1.5)
+    h.judge(0, engine(2, 10, answered_in=1.0))
+    assert not h.judge(10, engine(2, 10, answered_in=1.0)).hung
+    assert not h.judge(10, engine(2, 10, answered_in=None)).hung  # unknown: not prompt
+    assert h.judge(10, engine(2, 10, answered_in=0.2)).hung  # prompt now: the fast bound
+
+
+def test_the_bound_follows_the_steps_the_load_makes() -> None:
+    h = HangDetector(60, poll_interval=5, floor=1.5)
+    h.set_steps(0.28, 2.0)  # the front saw a 2 s gap in a stream: a heavy prefill
+    h.judge(0, engine(2, 10))
+    assert not h.judge(5.9, engine(2, 10)).hung
+    assert h.judge(6.0, engine(2, 10)).hung
+    h.reconfigure(hang_timeout=4, poll_interval=1)  # the ceiling still rules
+    assert h.bound == 4

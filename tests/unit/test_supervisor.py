@@ -55,8 +55,9 @@ class Harness:
                  preflight: Any = None, reload_to: Any = None, front: Any = None) -> None:
         base = {"restart": {"backoff_initial": 1.0, "backoff_max": 4.0, "jitter": 0.0,
                             "budget_failures": 3, "budget_window": 600.0},
-                "watch": {"poll_interval": 1.0, "hang_timeout": 10.0, "canary_interval": 5.0,
-                          "canary_timeout": 2.0, "load_timeout": 100.0,
+                # hang_floor = hang_timeout: no fast hang verdict unless a test asks for one
+                "watch": {"poll_interval": 1.0, "hang_timeout": 10.0, "hang_floor": 10.0,
+                          "canary_interval": 5.0, "canary_timeout": 2.0, "load_timeout": 100.0,
                           "unhealthy_timeout": 3.0},
                 "stop": {"drain_timeout": 5.0, "term_timeout": 3.0}}
         for k, v in (raw or {}).items():
@@ -1122,3 +1123,102 @@ def test_the_status_endpoint_reads_what_the_loop_published_never_the_live_superv
     h.sup.snapshot = live  # type: ignore[method-assign,assignment]
     doc = status_document(h.sup, Telemetry(clock=h.clock))
     assert doc["state"] == "restarting" and doc["restarts"] == now.snapshot["restarts"]
+
+
+# --- the fast hang verdict (issue 30.3) -------------------------------------------------------
+
+
+def fast_hang(front: FakeFront) -> Harness:
+    """READY behind a front, polls 5 s apart, hang_timeout 60 s, the floor 1.5 s (no canary,
+    no measured step: the bound is the floor)."""
+    h = Harness({"watch": {"poll_interval": 5.0, "hang_timeout": 60.0, "hang_floor": 1.5,
+                           "canary_interval": 0.0, "unhealthy_timeout": 30.0}}, front=front)
+    h.run_until(State.READY)
+    return h
+
+
+def stream(h: Harness, front: FakeFront, seconds: float, dt: float = 0.05) -> None:
+    """Two requests streaming: an answer byte every ``dt``."""
+    front.in_flight = 2
+    h.probe.running = 2.0
+    for _ in range(round(seconds / dt)):
+        front.bytes += 10
+        front.last_byte_at = h.clock.t
+        h.step(dt)
+
+
+def test_a_stopped_engine_under_streams_is_hung_at_the_floor_not_at_hang_timeout() -> None:
+    front = FakeFront()
+    h = fast_hang(front)
+    stream(h, front, 12.0)
+    assert h.sup.state is State.READY and h.run.serving.hang.bound == 1.5
+    last = front.last_byte_at
+    assert last is not None
+    h.run_until(State.RESTARTING, dt=0.05, limit=200)  # bytes and tokens frozen from here
+    assert h.failure.cause is Cause.HANG
+    # the silence brings polls every half bound; the one at 1.5 s after the last byte decides
+    assert last + 1.5 <= h.clock.t <= last + 1.5 + 0.5, h.clock.t - last
+    (hung,) = h.log.named("hang_detected")
+    assert hung["bound_seconds"] == 1.5
+
+
+def test_streams_flowing_cost_no_polls_and_no_spin() -> None:
+    # the silence deadline moves with every byte: the loop wakes at most every half bound,
+    # and no poll is sent before the regular one
+    front = FakeFront()
+    h = fast_hang(front)
+    stream(h, front, 5.2)  # past the regular poll after READY
+    h.probe.tokens_per_metrics = 1.0  # from here the counter counts the /metrics reads
+    reads = h.probe.tokens
+    waits = []
+    for _ in range(60):  # 3 s, less than poll_interval
+        front.bytes += 10
+        front.last_byte_at = h.clock.t
+        h.step(0.05)
+        waits.append(h.sup.next_wakeup(h.clock.t))
+    assert min(waits) > 0.0 and h.sup.state is State.READY
+    assert h.probe.tokens - reads <= 1  # at most the regular poll
+
+
+def test_a_request_vllm_has_not_scheduled_is_not_a_fast_hang() -> None:
+    # a tokenizer-heavy request: at the front, not in vLLM's gauges; no answer byte for 10 s
+    front = FakeFront()
+    h = fast_hang(front)
+    front.in_flight = 1
+    front.last_byte_at = h.clock.t
+    h.probe.running = 0.0
+    h.step(0.25, n=40)
+    assert h.sup.state in (State.READY, State.DEGRADED) and not h.log.named("hang_detected")
+
+
+def test_the_bound_follows_the_fronts_longest_gap() -> None:
+    # the front relayed a stream with 2 s between two chunks (a heavy prefill beside it):
+    # a 2 s silence is a step, not a hang; 3 x 2 s is
+    front = FakeFront()
+    h = fast_hang(front)
+    front.longest_gap = 2.0
+    stream(h, front, 6.0)
+    last = front.last_byte_at
+    assert last is not None
+    h.step(0.05, n=int(5.0 / 0.05))
+    assert h.sup.state is not State.RESTARTING and not h.log.named("hang_detected")
+    h.run_until(State.RESTARTING, dt=0.05, limit=100)
+    (hung,) = h.log.named("hang_detected")
+    assert hung["bound_seconds"] == 6.0 and hung["longest_gap_seconds"] == 2.0
+    assert last + 6.0 <= h.clock.t <= last + 6.0 + 3.5, h.clock.t - last
+
+
+def test_the_hang_bound_shows_in_status_and_metrics() -> None:
+    from qwen4090.surfaces import httpapi
+
+    front = FakeFront()
+    h = fast_hang(front)
+    front.longest_gap = 0.8
+    stream(h, front, 0.5)
+    h.step(6.0)  # a regular poll takes the front's gap
+    doc = h.sup.snapshot()["hang"]
+    assert doc["bound_seconds"] == pytest.approx(2.4) and doc["hang_timeout"] == 60.0
+    assert doc["longest_gap_seconds"] == 0.8 and doc["floor"] == 1.5
+    (fam,) = [m for m in httpapi.metric_families(h.sup.snapshot())
+              if m.name == "qwen4090_hang_bound_seconds"]
+    assert fam.samples[0].value == pytest.approx(2.4)

@@ -124,19 +124,27 @@ class ServingSchedule:
     unhealthy_since: float | None = None
     asked: bool = False  # a judgement needs a fresh sample: the next poll is due at once
 
-    def next_poll_at(self, poll_interval: float) -> float:
+    def next_poll_at(self, poll_interval: float, quiet_since: float | None = None) -> float:
         """poll_interval after the last poll, or earlier at the moment a stall being timed
-        reaches hang_timeout (HangDetector.deadline) -- once: a deadline already polled for
+        reaches its bound (HangDetector.deadline) -- once: a deadline already polled for
         (the stall's clock is not reset while /health fails) must not bring each next poll
-        forward."""
+        forward.  ``quiet_since``: the front has requests at the engine and has relayed no
+        answer byte since then; once that silence is half the hang bound, polls come every
+        half bound (issue 30.3: the fast verdict needs two samples of a flat counter)."""
         if self.asked:
             return self.last_poll
         due = self.last_poll + poll_interval
         deadline = self.hang.deadline()
+        if quiet_since is not None:
+            half = self.hang.bound / 2
+            due = min(due, max(self.last_poll, quiet_since) + half)
+            if deadline is not None:  # the front's last byte is progress the poll did not see
+                deadline = max(deadline, quiet_since + self.hang.bound)
         return deadline if deadline is not None and self.last_poll < deadline < due else due
 
-    def poll_due(self, now: float, poll_interval: float) -> bool:
-        return now >= self.next_poll_at(poll_interval)
+    def poll_due(self, now: float, poll_interval: float, quiet_since: float | None = None
+                 ) -> bool:
+        return now >= self.next_poll_at(poll_interval, quiet_since)
 
     def polled(self, now: float) -> None:
         self.last_poll, self.asked = now, False
@@ -174,6 +182,7 @@ class ServingSchedule:
         since, self.unhealthy_since = self.unhealthy_since, None
         return since
 
-    def next_deadline(self, poll_interval: float, canary_interval: float) -> float:
-        due = self.next_poll_at(poll_interval)
+    def next_deadline(self, poll_interval: float, canary_interval: float,
+                      quiet_since: float | None = None) -> float:
+        due = self.next_poll_at(poll_interval, quiet_since)
         return min(due, self.last_canary + canary_interval) if canary_interval > 0 else due

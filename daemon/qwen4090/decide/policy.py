@@ -276,39 +276,88 @@ class Progress:
     waiting: float
     tokens: float  # any counter that grows while the engine makes progress
     moved_at: float | None = None  # when the last of it was seen, if a witness knows (the front)
+    # vLLM's own running gauge (without the front's count): the engine itself reported steps
+    # with requests in them; None when unknown (it counts as "not reported")
+    engine_running: float | None = None
+    answered_in: float | None = None  # seconds the /metrics answer took (None: unknown)
 
     @property
     def busy(self) -> bool:
         return self.running + self.waiting > 0
 
+    @property
+    def engine_busy(self) -> bool:
+        """The engine itself said it was running requests: a request the API server is still
+        tokenizing (the front counts it in flight; vLLM has not scheduled it) is not."""
+        return bool(self.engine_running and self.engine_running > 0)
+
 
 @dataclass(frozen=True)
 class HangVerdict:
     stalled: float  # seconds the busy engine has made no progress (0: it moved, or is idle)
-    hung: bool  # stalled for hang_timeout: restart it
+    hung: bool  # stalled for the bound (or hang_timeout): fail it over or restart it
     stalling: bool  # stalled for STALL_POLLS polls: DEGRADED, not a hang yet
+    bound: float = math.inf  # the stall that counted as a hang at this sample
+
+
+# The fast hang verdict (issue 30.3).  A hung engine is answered within seconds only if the
+# verdict comes from the engine's real step times instead of a fixed minute: a stall counts as
+# a hang after HANG_STEP_MULTIPLE x the longest step seen (the warmup's longest prefill, and the
+# longest gap between two chunks of one streamed answer the front has relayed in the last
+# STEP_WINDOW: the steps as the load makes them now), never below watch.hang_floor and never
+# above watch.hang_timeout.  3x: the step's variance under load (longer contexts attend to
+# more, the batch adds decodes) plus the poll that must see the counter move.
+HANG_STEP_MULTIPLE = 3.0
+# The fast verdict also needs a responsive API server: its /metrics answered within this share
+# of the bound.  A CPU-starved API server answers late and relays late; its silence is not the
+# engine's, so only hang_timeout ends it (zero false takeovers is the harder half).
+FAST_ANSWER_SHARE = 0.25
+
+
+def hang_bound(hang_timeout: float, floor: float, longest_step: float | None,
+               longest_gap: float | None) -> float:
+    """The stall after which a busy engine whose own gauge says it runs requests is hung:
+    HANG_STEP_MULTIPLE x the longest step measured, within [floor, hang_timeout]."""
+    step = max(longest_step or 0.0, longest_gap or 0.0)
+    return min(hang_timeout, max(floor, HANG_STEP_MULTIPLE * step))
 
 
 class HangDetector:
-    """A hang is: requests running or waiting, and the progress counter flat for hang_timeout.
+    """A hang is: requests running or waiting, and the progress counter flat for the bound.
 
     vLLM's /health answers 200 while the EngineCore is stopped, so progress is the only truth.
-    Flat for ``STALL_POLLS`` polls (one flat sample can be a long prefill step between two
-    counter updates) is only "stalling": DEGRADED, still served.
+    Two bounds (issue 30.3): the fast one (:func:`hang_bound`, seconds) when vLLM's own gauge
+    says the engine runs requests and its /metrics answered promptly; hang_timeout otherwise
+    (a request still being tokenized, an API server too slow to tell).  Flat for
+    ``STALL_POLLS`` polls (one flat sample can be a long prefill step between two counter
+    updates) is only "stalling": DEGRADED, still served.
     """
 
     STALL_POLLS = 2
 
-    def __init__(self, hang_timeout: float, poll_interval: float = math.inf) -> None:
+    def __init__(self, hang_timeout: float, poll_interval: float = math.inf,
+                 floor: float | None = None) -> None:
         self.hang_timeout = hang_timeout
         self.poll_interval = poll_interval
+        self.floor = hang_timeout if floor is None else floor  # None: no fast verdict
+        self.bound = hang_bound(hang_timeout, self.floor, None, None)  # now (set_steps)
         self._last_tokens: float | None = None
         self._since: float | None = None  # when tokens last changed or the engine was idle
         self._seen: float | None = None  # the last sample
+        self._busy = False  # the last sample's
 
-    def reconfigure(self, hang_timeout: float, poll_interval: float) -> None:
+    def reconfigure(self, hang_timeout: float, poll_interval: float,
+                    floor: float | None = None) -> None:
         """A reload's [watch] (the stall being timed goes on)."""
         self.hang_timeout, self.poll_interval = hang_timeout, poll_interval
+        if floor is not None:
+            self.floor = floor
+        self.bound = min(max(self.bound, self.floor), hang_timeout)
+
+    def set_steps(self, longest_step: float | None, longest_gap: float | None) -> float:
+        """The step times measured now: the fast bound follows them (returned)."""
+        self.bound = hang_bound(self.hang_timeout, self.floor, longest_step, longest_gap)
+        return self.bound
 
     def observe(self, now: float, p: Progress) -> float:
         """Record a sample; return how many seconds the busy engine has made no progress.
@@ -316,7 +365,7 @@ class HangDetector:
         Progress seen at a sample happened since the one before; when the front saw its last
         answer byte in between (``moved_at``), the stall is dated from that byte, not from
         this sample: on the H200 a hang was detected up to a poll interval (2 s) late."""
-        before, self._seen = self._seen, now
+        before, self._seen, self._busy = self._seen, now, p.busy
         if not p.busy or self._last_tokens is None or p.tokens != self._last_tokens \
                 or self._since is None:
             moved = self._last_tokens is not None and p.tokens != self._last_tokens
@@ -329,18 +378,27 @@ class HangDetector:
         return now - self._since
 
     def deadline(self) -> float | None:
-        """When the stall being timed would become a hang (None before the first sample).
+        """When the stall being timed would become a hang (None before the first sample, and
+        while the engine idles: nothing to time).
 
         The supervisor polls then instead of at its next poll_interval, so a hang is seen
-        hang_timeout after the last progress, not up to one poll later (issue 10).  While the
-        engine moves or idles this lies hang_timeout ahead, past the next regular poll."""
-        return None if self._since is None else self._since + self.hang_timeout
+        at its bound after the last progress, not up to one poll later (issue 10).  While the
+        engine moves this lies a bound ahead of the last progress seen."""
+        if self._since is None or not self._busy:
+            return None
+        return self._since + min(self.bound, self.hang_timeout)
+
+    def fast(self, p: Progress) -> bool:
+        """Whether this sample may end a stall at the fast bound (see the class)."""
+        return p.engine_busy and p.answered_in is not None \
+            and p.answered_in <= FAST_ANSWER_SHARE * self.bound
 
     def judge(self, now: float, p: Progress) -> HangVerdict:
         """Record a sample and say what the stall means."""
         stalled = self.observe(now, p)
-        return HangVerdict(stalled, stalled >= self.hang_timeout,
-                           stalled >= self.STALL_POLLS * self.poll_interval)
+        bound = min(self.bound, self.hang_timeout) if self.fast(p) else self.hang_timeout
+        return HangVerdict(stalled, stalled >= bound,
+                           stalled >= self.STALL_POLLS * self.poll_interval, bound)
 
     def hung(self, now: float, p: Progress) -> bool:
         return self.judge(now, p).hung
@@ -349,6 +407,7 @@ class HangDetector:
         self._last_tokens = None
         self._since = None
         self._seen = None
+        self._busy = False
 
 
 # --- stop and canary verdicts ---------------------------------------------------------------

@@ -152,6 +152,9 @@ class FrontSample:
     # requests sent to each engine and not yet answered in full: (its name, how many); the name
     # is the one the supervisor's steering.Serve gave (the pid)
     by_engine: tuple[tuple[str, int], ...] = ()
+    # the longest gap between two chunks of one streamed answer relayed in the last
+    # front.STEP_WINDOW seconds (None: none): the engine's steps as the load makes them now
+    longest_gap: float | None = None
 
 
 # --- the warmup (warmup.py) -----------------------------------------------------------------------

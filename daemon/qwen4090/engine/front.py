@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -85,6 +86,31 @@ CONNECT_TIMEOUT = 10.0
 # connection the server is closing at that moment (a fresh-clone CI run had one such request
 # held for a next engine that never came; the retry covers a server set lower still).
 KEEPALIVE = 2.0
+
+
+# How long a gap between two chunks of one streamed answer is remembered (FrontSample.
+# longest_gap): long enough to span a burst's slowest steps, short enough that the hang bound
+# comes down again once a heavy load has passed.
+STEP_WINDOW = 300.0
+
+
+class Gaps:
+    """The longest gap added in the last ``window`` seconds (a sliding-window maximum: a deque
+    of (when, gap) with the gaps falling, so ``add`` and ``longest`` are amortized O(1))."""
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self._q: collections.deque[tuple[float, float]] = collections.deque()
+
+    def add(self, now: float, gap: float) -> None:
+        while self._q and self._q[-1][1] <= gap:
+            self._q.pop()
+        self._q.append((now, gap))
+
+    def longest(self, now: float) -> float | None:
+        while self._q and self._q[0][0] < now - self.window:
+            self._q.popleft()
+        return self._q[0][1] if self._q else None
 
 
 @dataclass
@@ -160,6 +186,7 @@ class Front:
         self._held: dict[int, float] = {}  # waiting for an engine: since the client sent it
         self._bytes = 0
         self._last_byte: float | None = None
+        self._gaps = Gaps(STEP_WINDOW)
         self.totals = Totals()
         # the engine gate, changed on the front's loop only
         self._open = engine_up
@@ -330,7 +357,8 @@ class Front:
                                max(0.0, oldest), self._bytes, self._open, self._draining,
                                self._last_byte, len(self._doors.open),
                                self.shedding.sample(),
-                               tuple(sorted((str(k), n) for k, n in self._on_engine.items())))
+                               tuple(sorted((str(k), n) for k, n in self._on_engine.items())),
+                               self._gaps.longest(now))
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> None:
         loop = self._loop
@@ -661,10 +689,15 @@ class Front:
         await resp.prepare(request)
         tail = b""
         said = aborted = False  # vLLM's own error event / a request it aborted
+        last: float | None = None  # when this answer's previous chunk came in
 
         async def relay(chunk: bytes) -> None:
-            nonlocal tail, said, aborted
-            self._got(rid, len(chunk), request.method == "POST")
+            nonlocal tail, said, aborted, last
+            now = self._got(rid, len(chunk), request.method == "POST")
+            if last is not None:  # one engine's answer: its gaps are its steps
+                with self._lock:
+                    self._gaps.add(now, now - last)
+            last = now
             said = said or STREAM_ERROR in chunk
             aborted = aborted or any(a in chunk for a in ABORTED)
             if aborted and not said and (at := chunk.find(STREAM_DONE)) >= 0:
@@ -718,12 +751,14 @@ class Front:
                     await asyncio.wait_for(self._changed.wait(), left)
         return self._dead_gen >= gen
 
-    def _got(self, rid: int, n: int, progress: bool) -> None:
+    def _got(self, rid: int, n: int, progress: bool) -> float:
+        now = self.clock()
         with self._lock:
             if progress:
                 self._bytes += n
-                self._last_byte = self.clock()
+                self._last_byte = now
             self._unanswered.pop(rid, None)
+        return now
 
     def _hold_timeout(self, request: web.Request, arrived: float) -> web.Response:
         with self._lock:

@@ -182,8 +182,8 @@ class Run:
         self.next_load_poll = now
         self.warmup_progress = ""
         self.warmup_started = self.last_warmup_step = now
-        self.serving = ServingSchedule(HangDetector(watch.hang_timeout, watch.poll_interval),
-                                       now, now)
+        self.serving = ServingSchedule(HangDetector(watch.hang_timeout, watch.poll_interval,
+                                                    watch.hang_floor), now, now)
         self.last_metrics: MetricsResult | None = None
         self.metrics_at: float | None = None  # when last_metrics came in
         self.canary_base: float | None = None  # progress counter when the canary was judged
@@ -196,6 +196,8 @@ class Run:
         self.exit_oom: str | None = None  # the kernel's word on an OOM kill of that exit
         self.stranger_said = False  # port_answered_by_stranger was logged
         self.longest_step: float | None = None  # seconds: the warmup's (steptime.py)
+        self.bound_step: float | None = None  # ... or the last one on disk: the hang bound's
+        self.front_seen: FrontSample | None = None  # the front's counts at the last step
 
     @property
     def config(self) -> Config:
@@ -247,8 +249,9 @@ class Run:
             # next poll says otherwise: its past deadline would make the loop spin (measured on
             # the H200: a core of the supervisor at c=1, the front's TTFT +5 ms).
             waits = Job.CANARY in self.tasks or bool(self.last_metrics and _busy(self.last_metrics))
-            out.append(self.serving.next_deadline(w.poll_interval,
-                                                  0.0 if waits else w.canary_interval))
+            out.append(self.serving.next_deadline(
+                w.poll_interval, 0.0 if waits else w.canary_interval,
+                _quiet_since(self.front_seen, self.clock())))
         return out
 
     # --- loading -----------------------------------------------------------------------------
@@ -345,6 +348,8 @@ class Run:
         step = self.longest_step
         if step is None:
             step = step_times.measured(cfg)
+        self.bound_step = step
+        self.serving.hang.set_steps(step, None)
         if (risk := hang_timeout_risk(cfg.watch.hang_timeout, step)) is not None:
             self.log.warning("hang_timeout_too_short", hang_timeout=cfg.watch.hang_timeout,
                              longest_step_seconds=round(step or 0.0, 3), detail=risk)
@@ -353,9 +358,20 @@ class Run:
                     ) -> None:
         """A reload: the hang detector takes the new [watch] (the stall being timed goes on),
         held against the longest step when [watch] changed."""
-        self.serving.hang.reconfigure(cfg.watch.hang_timeout, cfg.watch.poll_interval)
+        self.serving.hang.reconfigure(cfg.watch.hang_timeout, cfg.watch.poll_interval,
+                                      cfg.watch.hang_floor)
         if watch_changed:
             self.check_hang_timeout(cfg, step_times)
+
+    def hang_doc(self) -> dict[str, Any]:
+        """/status's "hang": the stall that counts as a hang now, and what it comes from."""
+        h = self.serving.hang
+        gap = self.front_seen.longest_gap if self.front_seen is not None else None
+        return {"bound_seconds": round(min(h.bound, h.hang_timeout), 3),
+                "hang_timeout": h.hang_timeout, "floor": h.floor,
+                "longest_step_seconds": None if self.bound_step is None
+                else round(self.bound_step, 3),
+                "longest_gap_seconds": None if gap is None else round(gap, 3)}
 
     def became_ready(self, now: float) -> None:
         """The watch starts over: a stall timed before READY (a start, a sleep) is not this
@@ -423,16 +439,19 @@ class Run:
 
     # --- serving: poll, canary, hang ---------------------------------------------------------
 
-    def watch(self, now: float, state: State, w: WatchConfig, ports: PortsLike
-              ) -> list[Verdict]:
-        """One serving step: send the poll and the canary when due, judge the ones in flight."""
+    def watch(self, now: float, state: State, w: WatchConfig, ports: PortsLike,
+              front: FrontSample | None = None) -> list[Verdict]:
+        """One serving step: send the poll and the canary when due, judge the ones in flight.
+        ``front``: the front's counts now (its silence brings polls forward: deadlines)."""
         out = _Verdicts(state)
+        self.front_seen = front
         if (gone := self.child.engine_gone()) is not None and self.child.poll() is None:
             # before vLLM's own line (seconds later on the H200): the restart, or the standby
             out.fail(self.said_dead(ExitVerdict(Cause.ENGINE_DEAD,
                                                 f"vLLM's EngineCore died: {gone}", True)))
             return out.out
-        if self.serving.poll_due(now, w.poll_interval) and Job.POLL not in self.tasks:
+        if self.serving.poll_due(now, w.poll_interval, _quiet_since(front, now)) \
+                and Job.POLL not in self.tasks:
             self.submit(now, Job.POLL, _PollJob(self.probe, w.health_timeout, self.clock,
                                               self.owner_check(ports)))
             self.serving.polled(now)
@@ -541,11 +560,18 @@ class Run:
         if metrics.ok:
             self.last_metrics, self.metrics_at = metrics, now
             prog = _progress(metrics, front)
+            self.serving.hang.set_steps(self.bound_step,
+                                        front.longest_gap if front is not None else None)
             hang = self.serving.hang.judge(now, prog)
             stalled = hang.stalled
             if hang.hung:
                 self.log.error("hang_detected", stalled_seconds=round(stalled, 1),
-                               running=prog.running, waiting=prog.waiting)
+                               running=prog.running, waiting=prog.waiting,
+                               bound_seconds=round(hang.bound, 2),
+                               longest_step_seconds=round(self.bound_step or 0.0, 3),
+                               longest_gap_seconds=round(
+                                   (front.longest_gap if front is not None else None) or 0.0,
+                                   3))
                 out.fail(ExitVerdict(Cause.HANG, f"{prog.running:g} running, "
                                                  f"{prog.waiting:g} waiting, no token "
                                                  f"progress for {stalled:.0f}s", True),
@@ -775,9 +801,21 @@ def _progress(m: MetricsResult, front: FrontSample | None) -> Progress:
     it has at the engine (running) and the answer bytes it has seen (progress too)."""
     running, waiting, tokens = m.get(RUNNING), m.get(WAITING), _progress_of(m)
     if front is None:
-        return Progress(running, waiting, tokens)
+        return Progress(running, waiting, tokens, engine_running=running,
+                        answered_in=m.seconds)
     return Progress(max(running, front.in_flight - front.holding), waiting,
-                    tokens + front.bytes_from_engine, front.last_byte_at)
+                    tokens + front.bytes_from_engine, front.last_byte_at,
+                    engine_running=running, answered_in=m.seconds)
+
+
+def _quiet_since(front: FrontSample | None, now: float) -> float | None:
+    """Since when the front, with requests at the engine, has relayed no answer byte (None:
+    no front, or nothing at the engine)."""
+    if front is None or front.in_flight - front.holding <= 0:
+        return None
+    if front.last_byte_at is not None:
+        return front.last_byte_at
+    return now - front.oldest_unanswered
 
 
 def _busy(m: MetricsResult) -> bool:

@@ -186,7 +186,15 @@ class WatchConfig:
     unhealthy_timeout: float = opt(30.0, "seconds /health may keep failing before a restart",
                                    min=0.1, max=DAY)
     hang_timeout: float = opt(60.0, "seconds with requests in flight and no token progress "
-                                    "before the engine counts as hung", min=0.1, max=DAY)
+                                    "before the engine counts as hung, at most (the ceiling: "
+                                    "a busy engine is hung sooner, after 3 x its longest step "
+                                    "measured, but not before hang_floor)", min=0.1, max=DAY)
+    hang_floor: float = opt(1.5, "seconds: the shortest stall of a busy engine that counts as "
+                                 "a hang (when vLLM says it runs requests and answers its "
+                                 "/metrics promptly); the bound is 3 x the longest engine step "
+                                 "measured (warmup, and the front's gaps between streamed "
+                                 "chunks), never below this nor above hang_timeout",
+                            min=0.1, max=DAY)
     canary_interval: float = opt(30.0, "seconds between 1-token canary requests when idle; "
                                        "0 = off", min=1, max=DAY, off=0)
     canary_timeout: float = opt(30.0, "seconds a canary request may take (no second canary "

@@ -173,6 +173,7 @@ class Supervisor:
                                    self.tell.last_status)
         snap["standby"] = self.keeper.status(now)
         snap["engines"] = self.engines.phases()  # the table: every row's role, phase, pid
+        snap["hang"] = self.run.hang_doc() if self.run is not None else None
         return snap
 
     # --- loop steps ------------------------------------------------------------------------
@@ -420,7 +421,8 @@ class Supervisor:
     def step_ready(self, now: float) -> None:
         assert self.run is not None
         self.restarts.note_stable(now, True, self.cfg)
-        self.act(now, self.run.watch(now, self.state, self.cfg.watch, self.p.ports))
+        self.act(now, self.run.watch(now, self.state, self.cfg.watch, self.p.ports,
+                                     self.p.front.sample()))
 
     step_degraded = step_ready
 

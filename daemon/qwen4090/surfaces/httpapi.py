@@ -282,6 +282,13 @@ def metric_families(doc: Mapping[str, Any]) -> list[Metric]:
     out.append(CounterMetricFamily("qwen4090_hangs", "hangs detected (requests in flight, no "
                                                      "token progress)",
                                    value=float(doc.get("hangs") or 0)))
+    hang = doc.get("hang")
+    if hang:
+        out.append(GaugeMetricFamily("qwen4090_hang_bound_seconds",
+                                     "the stall of a busy engine that counts as a hang now (3 x "
+                                     "the longest step measured, within watch.hang_floor and "
+                                     "watch.hang_timeout)",
+                                     value=float(hang["bound_seconds"])))
     if doc.get("time_to_ready_seconds") is not None:
         out.append(GaugeMetricFamily("qwen4090_time_to_ready_seconds",
                                      "seconds from launching vLLM to READY, last start",
