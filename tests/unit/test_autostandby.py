@@ -378,3 +378,79 @@ def test_a_reload_compares_the_resolved_modes(awq: plan.ModelFacts) -> None:
     assert h.sup.keeper.mode == "off" and h.sup.state is S.RESTARTING
     assert h.log.named("standby_discarded")[-1]["reason"] == "restart.standby = 'off' now"
     assert "--enable-sleep-mode on -> (none)" in h.failure.detail
+
+
+# --- what the commands show -------------------------------------------------------------------
+
+
+def plan_conf(tmp_path: Path, model: Path, extra: str = "") -> Path:
+    f = tmp_path / "q.toml"
+    f.write_text(f'[vllm]\nmodel = "{model}"\n{extra}'
+                 f'[gpu]\nstate_directory = "{tmp_path / "state"}"\n')
+    return f
+
+
+def test_plan_says_what_auto_chose_and_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from qwen4090.commandline.cli import main
+
+    d = awq_4090(tmp_path)
+    f = plan_conf(tmp_path, d)
+    monkeypatch.setattr(plan, "host_memory", lambda: host(62.7, 60.7))
+    assert main(["plan", "-c", str(f), "--gpu-memory", "23.64"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("standby   restart.standby = \"auto"))
+    assert line == ('standby   restart.standby = "auto" -> sleep: sleeping standby: 1.0 GiB on '
+                    "the GPU at gpu_memory_utilization 0.89 (from 0.92, 66,592 KV tokens "
+                    "instead of 71,232), ~32.8 GiB of host memory of 62.7 GiB (60.7 GiB "
+                    "available) (vllm.gpu_memory_utilization 0.89: room for a sleeping "
+                    "standby (restart.standby = auto))")
+    assert "+ sleeping standby" in out and "62.70 GiB of RAM, 60.70 GiB available now" in out
+    assert "--gpu-memory-utilization 0.89" in out and "--enable-sleep-mode" in out
+    assert main(["plan", "-c", str(f), "--gpu-memory", "23.64", "--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert js["standby_choice"]["configured"] == AUTO and js["standby_choice"]["mode"] == "sleep"
+    assert js["standby_choice"]["gpu_memory_utilization"] == 0.89
+    assert js["standby_choice"]["why"].startswith("sleeping standby: 1.0 GiB on the GPU")
+    assert js["settings"]["gpu_memory_utilization"]["source"] == "auto"
+    assert js["standby"]["host_total_bytes"] == int(62.7 * GIB)
+    monkeypatch.setattr(plan, "host_memory", lambda: host(31.3, 29.3))
+    assert main(["plan", "-c", str(f), "--gpu-memory", "23.64"]) == 0
+    out = capsys.readouterr().out
+    assert 'standby   restart.standby = "auto" -> off: a sleeping standby needs ~32.8 GiB of ' \
+           "host memory" in out
+    assert "--enable-sleep-mode" not in out and "+ sleeping standby" not in out
+    explicit = plan_conf(tmp_path, d, '[restart]\nstandby = "off"\n')
+    assert main(["plan", "-c", str(explicit), "--gpu-memory", "23.64", "--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert js["standby_choice"] == {"configured": "off", "mode": "off", "why": "",
+                                    "gpu_memory_utilization": None}
+
+
+def test_status_says_why_auto_is_off(capsys: pytest.CaptureFixture[str]) -> None:
+    from qwen4090.commandline import statuscmd
+
+    doc: dict[str, Any] = {"state": "ready", "standby": {
+        "mode": "off", "configured": "auto", "state": "none",
+        "why": "no GPU (gpu.enabled = off): sleep mode needs CUDA"}}
+    text = statuscmd.summary(doc, now=0.0)
+    assert '  standby   off (restart.standby = "auto": no GPU (gpu.enabled = off): sleep mode ' \
+           "needs CUDA)" in text.splitlines()
+    off = {**doc, "standby": {**doc["standby"], "configured": "off"}}
+    assert "standby" not in statuscmd.summary(off, now=0.0)
+
+
+def test_check_config_says_auto_is_chosen_at_each_start(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    from qwen4090.commandline.cli import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    f = tmp_path / "q.toml"
+    f.write_text(f'[vllm]\nmodel = "{model}"\ncommand = ["{sys.executable}"]\n')
+    assert main(["check-config", "--config", str(f)]) == 0
+    assert "  standby  auto: sleep or off, chosen at each start of vLLM" in \
+        capsys.readouterr().out
