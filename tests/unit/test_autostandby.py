@@ -454,3 +454,50 @@ def test_check_config_says_auto_is_chosen_at_each_start(
     assert main(["check-config", "--config", str(f)]) == 0
     assert "  standby  auto: sleep or off, chosen at each start of vLLM" in \
         capsys.readouterr().out
+
+
+# --- README's table -----------------------------------------------------------------------------
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+TABLE_BEGIN = ("<!-- auto-standby-table: computed by tests/unit/test_autostandby.py; do not "
+               "edit -->\n")
+TABLE_END = "<!-- /auto-standby-table -->"
+# MemTotal as Linux shows it on boxes of 32, 64 and 128 GB (the kernel and the firmware keep
+# the rest), and such a box otherwise idle: 2 GiB in use
+RAM = (("32 GB", 31.3), ("64 GB", 62.7), ("128 GB", 125.7))
+
+
+def auto_table(model: Path) -> str:
+    """What auto chooses on an RTX 4090 with Qwen3-14B-AWQ at the shipped settings, by RAM."""
+    from qwen4090.settings.config import load
+
+    shipped = load(README.parent / "etc" / "qwen4090" / "qwen4090.toml")  # the shipped settings
+    c = dataclasses.replace(shipped, vllm=dataclasses.replace(shipped.vllm, model=str(model)))
+    m = plan.read_model(model)
+    sleeping = plan.make_plan(dataclasses.replace(c, restart=dataclasses.replace(
+        c.restart, standby="sleep")), m, RTX4090).standby
+    assert sleeping is not None
+    need = sleeping.host_bytes / GIB
+    rows = ["| RAM (MemTotal) | auto chooses | gpu_memory_utilization | KV tokens | host memory "
+            "a sleeping standby needs / 75 % of MemTotal |",
+            "|---|---|---|---|---|"]
+    for name, total in RAM:
+        got = launch.resolve(c, launch.Facts(RTX4090, m, host=host(total, total - 2)))
+        assert got.plan is not None
+        util = got.settings["gpu_memory_utilization"]
+        shown = f"{util.value:g}" + (" (lowered by auto)" if util.origin is Origin.PLAN else "")
+        rows.append(f"| {name} ({total:.1f} GiB) | {got.standby} | {shown} | "
+                    f"{got.plan.kv_tokens:,} | {need:.1f} / {autostandby.HOST_SHARE * total:.1f} "
+                    "GiB |")
+    return "\n".join(rows) + "\n"
+
+
+def test_readmes_table_is_what_auto_chooses(tmp_path: Path) -> None:
+    table = auto_table(awq_4090(tmp_path))
+    text = README.read_text()
+    start = text.index(TABLE_BEGIN) + len(TABLE_BEGIN)
+    assert text[start:text.index(TABLE_END, start)] == table, \
+        f"README's auto-standby table is stale; it is now:\n{table}"
+    # what the table says, in words (the issue's question)
+    lines = table.splitlines()[2:]
+    assert [line.split(" | ")[1] for line in lines] == ["off", "sleep", "sleep"]
