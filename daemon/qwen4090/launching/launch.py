@@ -6,16 +6,16 @@ fingerprint and the same argv.  Each step works on the result of the one before:
 
 1. the configured values;
 2. the OOM limits learned from earlier restarts (learned.json), for this model and GPU only;
-3. "auto" limits chosen by the KV-cache plan (plan.py), when the GPU and the model are known
+3. the standby's mode: ``restart.standby = "auto"`` (the default) resolved by autostandby.py
+   on the GPU, the plan and the host's memory (``sleep``, with a default
+   gpu_memory_utilization perhaps lowered to make room, or ``off``); from here on the config
+   holds the concrete mode, and the Launch why (:attr:`Launch.standby_why`);
+4. "auto" limits chosen by the KV-cache plan (plan.py), when the GPU and the model are known
    and ``gpu.enabled`` is not "off" (with it off the plan is only shown, never applied);
-4. the standby's mode: ``restart.standby = "auto"`` (the default) resolved by autostandby.py
-   on the GPU, the plan and the host's memory (``sleep``, with the default
-   gpu_memory_utilization perhaps lowered to make room, or ``off``); the Launch's config holds
-   the concrete mode, and the Launch why (:attr:`Launch.standby_why`);
-   then sleep mode (``restart.standby = "sleep"``): every engine may sleep (the standby, and
-   the serving engine while a new standby starts);
-5. the fixed KV budget of the last good start (``restart.fixed_kv_budget``, kvbudget.py);
-6. the engine's address (:attr:`Launch.engine`, launchvalue.engine_endpoint): with the front
+5. sleep mode (``restart.standby = "sleep"``): every engine may sleep (the standby, and the
+   serving engine while a new standby starts);
+6. the fixed KV budget of the last good start (``restart.fixed_kv_budget``, kvbudget.py);
+7. the engine's address (:attr:`Launch.engine`, launchvalue.engine_endpoint): with the front
    off, the client address (``vllm.host:vllm.port``); behind the front, one of the two
    loopback engine ports (``front.engine_port`` and the one above it), the one no other engine
    listens on.
