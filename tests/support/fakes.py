@@ -12,6 +12,7 @@ from qwen4090.decide.policy import ExitVerdict
 from qwen4090.decide.results import FrontSample, PreflightResult
 from qwen4090.launching.launch import configured
 from qwen4090.launching.launchvalue import Endpoint, Launch
+from qwen4090.launching.plan import HostMemory
 from qwen4090.probes.http import (
     GENERATION_TOKENS,
     RUNNING,
@@ -216,7 +217,8 @@ class NoGpu:
     def configured(self, cfg: Config) -> Launch:
         return configured(cfg)
 
-    def launch(self, cfg: Config, beside: Endpoint | None = None) -> Launch:
+    def launch(self, cfg: Config, beside: Endpoint | None = None,
+               host: HostMemory | str | None = None) -> Launch:
         return configured(cfg, beside)
 
     def preflight(self, chosen: Launch) -> PreflightResult:

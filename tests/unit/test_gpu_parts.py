@@ -3,6 +3,7 @@ supervisor's use of them (fake clock, fake child, no processes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from tests.support.fakes import QWEN3_14B, FakeChild, Log, NoGpu
 from qwen4090.base.states import State
 from qwen4090.decide.policy import EX_GPU, Cause, ExitVerdict
 from qwen4090.decide.results import PreflightResult
-from qwen4090.launching import gpu, launchvalue, learned
+from qwen4090.launching import gpu, launchvalue, learned, plan
 from qwen4090.launching.launch import configured
 from qwen4090.launching.launchvalue import Launch
 from qwen4090.probes import nvml
@@ -96,8 +97,11 @@ def test_without_nvml_the_checks_step_aside(tmp_path: Path,
     parts = gpu.GpuParts(log, env={})
     cfg = make_cfg(tmp_path, max_model_len=40960)
     launched, res = check(parts, cfg)
-    assert res.ok and launched.config == cfg  # as configured
-    assert [e for _, e, _ in log.events] == ["gpu_checks_skipped"]
+    # as configured, restart.standby = "auto" resolved: no GPU, no sleeping standby
+    assert res.ok and launched.config == dataclasses.replace(
+        cfg, restart=dataclasses.replace(cfg.restart, standby="off"))
+    assert [e for _, e, _ in log.events] == ["standby_auto", "gpu_checks_skipped"]
+    assert log.named("standby_auto")[0]["why"].startswith("no GPU (NVML unavailable")
     req = from_dict({**{"vllm": {"model": "/m"}}, "gpu": {"enabled": "required"}})
     assert "GPU not ready" in (check(parts, req)[1].transient or "")
 
@@ -253,7 +257,8 @@ class FakeGpu(NoGpu):
         self.calls: list[tuple[Config, ExitVerdict, list[str]]] = []
         self.len = 40960
 
-    def launch(self, cfg: Config, beside: launchvalue.Endpoint | None = None) -> Launch:
+    def launch(self, cfg: Config, beside: launchvalue.Endpoint | None = None,
+               host: plan.HostMemory | str | None = None) -> Launch:
         return configured(from_dict({"vllm": {"max_model_len": self.len}}), beside)
 
     def step_down(self, launched: Launch, cfg: Config, v: ExitVerdict, tail: list[str]

@@ -19,7 +19,10 @@ GIB = 1024 ** 3
 
 
 def cfg(**vllm: Any) -> Any:
-    return from_dict({"vllm": {"model": "/m", **vllm}, "restart": {"fixed_kv_budget": True}})
+    # standby "off": a launch's config is then the config itself (the default, "auto", is
+    # resolved to a concrete mode in the launch: test_autostandby.py)
+    return from_dict({"vllm": {"model": "/m", **vllm},
+                      "restart": {"fixed_kv_budget": True, "standby": "off"}})
 
 
 def ready(kv_bytes: int | None = 4 * GIB) -> dict[str, Any]:
@@ -89,7 +92,8 @@ def test_on_by_default_off_when_asked_and_the_sysadmins_own_flag_wins(tmp_path: 
     assert plain.restart.fixed_kv_budget  # issue 10: the same KV tokens on every start
     record(kv, resolve(kv, plain), ready())
     assert resolve(kv, plain).config.vllm.extra_args[-2:] == [FLAG, str(4 * GIB)]
-    off = from_dict({"vllm": {"model": "/m"}, "restart": {"fixed_kv_budget": False}})
+    off = from_dict({"vllm": {"model": "/m"},
+                     "restart": {"fixed_kv_budget": False, "standby": "off"}})
     got = resolve(kv, off)
     assert (got.config, got.kv_note) == (off, None)
     own = cfg(extra_args=[FLAG + "=123"])

@@ -157,7 +157,7 @@ class Runtime(CheckedGpu):
         super().__init__()
         self.version = version
 
-    def launch(self, cfg: Any, beside: Any = None) -> Any:
+    def launch(self, cfg: Any, beside: Any = None, host: Any = None) -> Any:
         return dataclasses.replace(super().launch(cfg, beside), runtime=self.version[0])
 
 
@@ -181,7 +181,7 @@ def test_a_reload_after_a_runtime_upgrade_restarts_vllm_on_it() -> None:
 class Capped(CheckedGpu):
     """Launches capped at max_num_seqs 4, as a learned OOM limit caps them (learned.py)."""
 
-    def launch(self, cfg: Any, beside: Any = None) -> Any:
+    def launch(self, cfg: Any, beside: Any = None, host: Any = None) -> Any:
         v = dataclasses.replace(cfg.vllm, max_num_seqs=min(cfg.vllm.max_num_seqs, 4))
         return configured(dataclasses.replace(cfg, vllm=v), beside)
 

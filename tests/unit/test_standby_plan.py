@@ -178,6 +178,7 @@ def test_host_judged_once_and_unreadable_host_is_a_warning(q14: Path) -> None:  
     assert awake.fits
 
 
+@pytest.mark.real_host
 def test_host_memory_reads_this_machine() -> None:
     host = plan.host_memory()
     assert isinstance(host, plan.HostMemory)

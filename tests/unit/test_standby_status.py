@@ -153,3 +153,12 @@ def test_status_page_without_a_standby(standby: dict[str, Any] | None) -> None:
     html = page(standby)
     assert "<h2>Standby</h2>" in html and "no standby engine (restart.standby = off)" in html
     assert "<td>standby</td><td>off</td>" in html
+
+
+def test_status_page_says_what_auto_chose_and_why() -> None:
+    why = "no GPU (gpu.enabled = off): sleep mode needs CUDA"
+    html = page({**OFF, "configured": "auto", "why": why})
+    assert f"no standby engine (restart.standby = auto: off: {why})" in html
+    on = page({**READY, "configured": "auto", "why": "sleeping standby: 1.0 GiB on the GPU"})
+    assert "<td>configured</td><td>auto</td>" in on
+    assert "<td>why</td><td>sleeping standby: 1.0 GiB on the GPU</td>" in on

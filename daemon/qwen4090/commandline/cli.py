@@ -81,6 +81,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
           f"max_num_batched_tokens={v.max_num_batched_tokens} "
           f"gpu_memory_utilization={v.gpu_memory_utilization:g}")
     print(f"  argv     {' '.join(launch.configured(cfg).argv)}")  # as configured: no plan
+    if cfg.restart.standby == config_mod.AUTO:
+        print("  standby  auto: sleep or off, chosen at each start of vLLM from the plan, the "
+              "GPU and the host's memory (`qwen4090 plan` says which and why)")
     key = "none" if not (v.api_key_file or os.environ.get("CREDENTIALS_DIRECTORY")) else \
         (v.api_key_file or "systemd credential api_key")
     print(f"  api key  {key}")

@@ -18,7 +18,8 @@ from qwen4090.commandline.commands import config_arg, config_error
 from qwen4090.decide.policy import EX_CONFIG
 from qwen4090.launching import learned, plan
 from qwen4090.launching.launch import read_facts, resolve
-from qwen4090.settings.config import Config, ConfigError
+from qwen4090.launching.launchvalue import Origin
+from qwen4090.settings.config import AUTO, Config, ConfigError
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -53,9 +54,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     account = launch.plan
     assert account is not None  # the GPU and the model are known
     if account.standby is not None:  # restart.standby: its host memory, as the preflight does
-        plan.judge_host(account, plan.host_memory())
+        plan.judge_host(account, launch.host)
+    util = launch.settings["gpu_memory_utilization"]
+    lowered = util.value if util.origin is Origin.PLAN else None
     if args.json:
         out = account.as_json()
+        out["standby_choice"] = {"configured": launch.standby_configured,
+                                 "mode": launch.standby, "why": launch.standby_why,
+                                 "gpu_memory_utilization": lowered}
         out["learned"] = list(launch.learned)
         out["argv"] = list(launch.argv)
         out["settings"] = {k: s.as_json() for k, s in launch.settings.items()}
@@ -67,6 +73,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for a in launch.learned:
             print(f"learned   {a} (from {learned_file}; qwen4090 reset-learned forgets it)")
         print(plan.render(account, launch.config))
+        if launch.standby_configured == AUTO:  # what auto chose, and why
+            print(f"standby   restart.standby = \"auto\" -> {launch.standby}: "
+                  f"{launch.standby_why}" + (f" (vllm.gpu_memory_utilization {lowered:g}: "
+                                             f"{util.why})" if lowered is not None else ""))
         if launch.kv_note:
             print(f"kv budget {launch.kv_note}")
         if cfg.gpu.enabled == "off":

@@ -126,6 +126,8 @@ def summary(doc: dict[str, Any], now: float | None = None) -> str:
     standby = standby_of(doc)  # none with restart.standby = "off" (or an older daemon)
     if standby is not None:
         lines.append(f"  standby   {standby_summary(standby)}")
+    elif isinstance(sb := doc.get("standby"), dict) and sb.get("configured") == "auto":
+        lines.append(f"  standby   off (restart.standby = \"auto\": {sb.get('why')})")
     for i, g in enumerate(gpu_list(doc.get("gpu"))):
         shown = ", ".join(f"{k}={_val(v)}" for k, v in g.items() if k != "index")
         lines.append(f"  gpu{g.get('index', i)}      {shown}")

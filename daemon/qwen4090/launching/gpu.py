@@ -23,7 +23,7 @@ from qwen4090.decide.policy import ExitVerdict
 from qwen4090.decide.results import PreflightResult
 from qwen4090.launching import kvbudget, ladder, learned, plan, preflight, xid
 from qwen4090.launching import launch as launch_mod
-from qwen4090.launching.launchvalue import Endpoint, Launch
+from qwen4090.launching.launchvalue import Endpoint, Launch, Origin
 from qwen4090.probes import nvml
 from qwen4090.settings import derived
 from qwen4090.settings.config import AUTO, Config
@@ -53,11 +53,13 @@ class GpuParts:
                  ours: Callable[[], set[int]] = own_pids) -> None:
         self.log = log
         self.env = dict(os.environ) if env is None else env
-        # the host's memory for a sleeping standby's account (plan.judge_host); tests fake it
+        # the host's memory for restart.standby = "auto" and a sleeping standby's account
+        # (plan.judge_host), read for each serving launch; tests fake it
         self.host_memory = host_memory or (lambda: plan.host_memory())
         self.ours = ours
         self.watch: nvml.GpuWatch | None = None
         self._said_no_gpu = False
+        self._said_auto: tuple[str, float | None] | None = None  # auto's last choice said
         self._by_uuid: dict[str, int] = {}  # CUDA_VISIBLE_DEVICES' first entry -> NVML index
         self._unresolved: set[str] = set()  # values already warned about
 
@@ -158,12 +160,16 @@ class GpuParts:
         one from its start, before the first preflight resolves the real one."""
         return launch_mod.configured(cfg)
 
-    def launch(self, cfg: Config, beside: Endpoint | None = None) -> Launch:
+    def launch(self, cfg: Config, beside: Endpoint | None = None,
+               host: plan.HostMemory | str | None = None) -> Launch:
         """What the next vLLM is launched with (launch.py, on this machine's facts); its
         config's gpu.device is the GPU vLLM runs on (:meth:`device`), for the plan, the checks
-        and the release wait; ``beside``: the endpoint another engine listens on."""
+        and the release wait; ``beside``: the endpoint another engine listens on; ``host``:
+        the host's memory to resolve on (the serving launch's, Launch.host), else read now."""
         cfg = self._on_device(cfg)
-        return launch_mod.resolve(cfg, launch_mod.read_facts(cfg, self.env), beside)
+        if host is None:
+            host = self.host_memory()
+        return launch_mod.resolve(cfg, launch_mod.read_facts(cfg, self.env, host=host), beside)
 
     def preflight(self, chosen: Launch) -> PreflightResult:
         """Every check before `chosen` is launched, the GPU's among them (what cli.py hands the
@@ -176,6 +182,7 @@ class GpuParts:
 
     def check(self, chosen: Launch, res: PreflightResult) -> None:
         """The launch against the GPU: unfit settings refused, other holders of its memory."""
+        self._say_standby(chosen)
         g = chosen.config.gpu
         if g.enabled == "off":
             # No GPU checks, but what earlier OOMs taught still applies (the ladder runs on
@@ -195,8 +202,8 @@ class GpuParts:
         if p is None:
             res.warnings.append(f"no KV-cache plan: {chosen.no_plan}")
             return
-        if p.standby is not None:
-            plan.judge_host(p, self.host_memory())
+        if p.standby is not None:  # on the host's memory the launch was resolved on
+            plan.judge_host(p, chosen.host)
         res.facts["plan"] = p.as_json()
         self.log.info("kv_plan", gpu=p.gpu.name, usable_gib=round(p.gpu.total_bytes / GIB, 2),
                       budget_gib=round(p.budget_bytes / GIB, 2),
@@ -224,6 +231,20 @@ class GpuParts:
                                  for k, m in p.problems]
         res.warnings += [f"plan: {w}" for w in p.warnings]
         self._check_others(p, res, g.device)
+
+    def _say_standby(self, chosen: Launch) -> None:
+        """restart.standby = "auto": what it chose and why, once, and again when a later
+        launch chooses otherwise (the mode, or the utilization it lowered)."""
+        if chosen.standby_configured != AUTO:
+            return
+        util = chosen.settings.get("gpu_memory_utilization")
+        lowered = None if util is None or util.origin is not Origin.PLAN else chosen.config \
+            .vllm.gpu_memory_utilization
+        if self._said_auto == (chosen.standby, lowered):
+            return
+        self._said_auto = (chosen.standby, lowered)
+        self.log.info("standby_auto", mode=chosen.standby, why=chosen.standby_why,
+                      **({"gpu_memory_utilization": lowered} if lowered is not None else {}))
 
     def _say_learned(self, chosen: Launch) -> None:
         path = learned.state_dir(chosen.config, self.env) / learned.FILE_NAME

@@ -6,12 +6,16 @@ fingerprint and the same argv.  Each step works on the result of the one before:
 
 1. the configured values;
 2. the OOM limits learned from earlier restarts (learned.json), for this model and GPU only;
-3. "auto" limits chosen by the KV-cache plan (plan.py), when the GPU and the model are known
+3. the standby's mode: ``restart.standby = "auto"`` (the default) resolved by autostandby.py
+   on the GPU, the plan and the host's memory (``sleep``, with a default
+   gpu_memory_utilization perhaps lowered to make room, or ``off``); from here on the config
+   holds the concrete mode, and the Launch why (:attr:`Launch.standby_why`);
+4. "auto" limits chosen by the KV-cache plan (plan.py), when the GPU and the model are known
    and ``gpu.enabled`` is not "off" (with it off the plan is only shown, never applied);
-4. sleep mode (``restart.standby = "sleep"``): every engine may sleep (the standby, and the
+5. sleep mode (``restart.standby = "sleep"``): every engine may sleep (the standby, and the
    serving engine while a new standby starts);
-5. the fixed KV budget of the last good start (``restart.fixed_kv_budget``, kvbudget.py);
-6. the engine's address (:attr:`Launch.engine`, launchvalue.engine_endpoint): with the front
+6. the fixed KV budget of the last good start (``restart.fixed_kv_budget``, kvbudget.py);
+7. the engine's address (:attr:`Launch.engine`, launchvalue.engine_endpoint): with the front
    off, the client address (``vllm.host:vllm.port``); behind the front, one of the two
    loopback engine ports (``front.engine_port`` and the one above it), the one no other engine
    listens on.
@@ -34,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qwen4090.launching import kvbudget, learned, plan, runtime
+from qwen4090.launching import autostandby, kvbudget, learned, plan, runtime
 from qwen4090.launching.launchvalue import Endpoint, Launch, Origin, Setting, engine_endpoint
-from qwen4090.launching.plan import GpuMemory, ModelFacts
+from qwen4090.launching.plan import GpuMemory, HostMemory, ModelFacts
 from qwen4090.settings.config import AUTO, Config, VllmConfig
 
 # The limits a launch may get from somewhere other than the config.
@@ -53,6 +57,9 @@ class Facts:
     learned: Mapping[str, Any] = field(default_factory=dict)  # learned.json
     kv_budget: Mapping[str, Any] = field(default_factory=dict)  # kv_budget.json
     runtime: str = ""  # "vllm 0.26.0" of vllm.command's venv (the KV budget belongs to it)
+    # the host's memory (plan.host_memory): restart.standby = "auto" and a sleeping standby's
+    # account; a str says why it is not known
+    host: HostMemory | str = "no host facts"
 
 
 def fingerprint(cfg: Config, gpu: GpuMemory | str) -> dict[str, Any]:
@@ -64,17 +71,22 @@ def fingerprint(cfg: Config, gpu: GpuMemory | str) -> dict[str, Any]:
 
 
 def read_facts(cfg: Config, env: Mapping[str, str], gpu: GpuMemory | str | None = None,
-               model: ModelFacts | str | None = None) -> Facts:
+               model: ModelFacts | str | None = None,
+               host: HostMemory | str | None = None) -> Facts:
     """The GPU (gpu.memory_gib, else NVML with the binding of vllm.command's venv; `gpu` when
     the caller has it, as `plan --gpu-memory`), the model (only when the GPU is known), the
-    learned limits and the KV budget on disk (in learned.state_dir)."""
+    learned limits and the KV budget on disk (in learned.state_dir), and the host's memory
+    (plan.host_memory; `host` when the caller has it: a standby is resolved on the facts of
+    the engine it stands by)."""
     if gpu is None:
         gpu = plan.gpu_memory(cfg) if cfg.gpu.enabled != "off" else "gpu.enabled = off"
     if model is None:
         model = read_model(cfg) if isinstance(gpu, GpuMemory) else "no GPU to plan for"
+    if host is None:
+        host = plan.host_memory()
     state = learned.state_dir(cfg, env)
     kv = kvbudget.KvBudget(state).read() if cfg.restart.fixed_kv_budget else {}
-    return Facts(gpu, model, learned.LearnedStore(state).read(), kv, runtime_of(cfg))
+    return Facts(gpu, model, learned.LearnedStore(state).read(), kv, runtime_of(cfg), host)
 
 
 def runtime_of(cfg: Config) -> str:
@@ -96,8 +108,9 @@ def read_model(cfg: Config) -> ModelFacts | str:
 
 
 def configured(cfg: Config, beside: Endpoint | None = None) -> Launch:
-    """The launch as configured, nothing learned, planned or remembered (no GPU part)."""
-    return resolve(cfg, Facts("no GPU part", "no GPU part"), beside)
+    """The launch as configured, nothing learned, planned or remembered (no GPU part; so
+    restart.standby = "auto" is off until a launch is resolved on the facts)."""
+    return resolve(cfg, Facts("no GPU part", "no GPU part", host="no host facts"), beside)
 
 
 def resolve(cfg: Config, facts: Facts, beside: Endpoint | None = None) -> Launch:
@@ -109,6 +122,13 @@ def resolve(cfg: Config, facts: Facts, beside: Endpoint | None = None) -> Launch
     for k in _changed(cfg, taught):
         why = next((n for n in notes if n.startswith(k + " ")), "")
         settings[k] = Setting(getattr(taught.vllm, k), Origin.LEARNED, why)
+    standby_why = ""
+    if cfg.restart.standby == AUTO:  # from here on the launch has the concrete mode
+        choice = autostandby.choose(taught, facts.gpu, facts.model, facts.host)
+        taught, standby_why = autostandby.applied(taught, choice), choice.why
+        if choice.utilization is not None:
+            settings["gpu_memory_utilization"] = Setting(choice.utilization, Origin.PLAN,
+                                                         autostandby.LOWERED_WHY)
     chosen, the_plan, no_plan = taught, None, ""
     if isinstance(facts.gpu, GpuMemory):
         if isinstance(facts.model, ModelFacts):
@@ -132,7 +152,9 @@ def resolve(cfg: Config, facts: Facts, beside: Endpoint | None = None) -> Launch
     argv = tuple(render_argv(chosen.vllm, (engine.host, engine.port)))
     return Launch(config=chosen, argv=argv, engine=engine, settings=settings, gpu=facts.gpu,
                   fingerprint=fp, kv_base=kv_base, plan=the_plan, no_plan=no_plan,
-                  learned=tuple(notes), kv_budget=n, kv_note=kv_note, runtime=facts.runtime)
+                  learned=tuple(notes), kv_budget=n, kv_note=kv_note, runtime=facts.runtime,
+                  host=facts.host, standby_configured=cfg.restart.standby,
+                  standby_why=standby_why)
 
 
 SLEEP_FLAG = "--enable-sleep-mode"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qwen4090.base.vllmfacts import host_port
-from qwen4090.launching.plan import GpuMemory, Plan
+from qwen4090.launching.plan import GpuMemory, HostMemory, Plan
 from qwen4090.settings.config import Config
 
 
@@ -63,10 +63,20 @@ class Launch:
     kv_budget: int | None = None  # --kv-cache-memory-bytes given to this launch
     kv_note: str | None = None  # the budget given, or why the remembered one was not
     runtime: str = ""  # "vllm 0.26.0": what vllm.command's venv held at the launch
+    # the host's memory it was resolved on (a standby beside it, and a reload's comparison,
+    # are resolved on the same: auto's choice changes only at a serving engine's launch)
+    host: HostMemory | str = "no host facts"
+    standby_configured: str = "off"  # restart.standby as configured ("auto" among them)
+    standby_why: str = ""  # why "auto" resolved to :attr:`standby` ("" when not auto)
 
     @property
     def gpu_name(self) -> str:
         return self.gpu.name if isinstance(self.gpu, GpuMemory) else "none"
+
+    @property
+    def standby(self) -> str:
+        """The standby's mode this launch has: "off", "sleep" or "awake" ("auto" resolved)."""
+        return self.config.restart.standby
 
 
 def engine_endpoints(cfg: Config) -> tuple[Endpoint, ...]:

@@ -36,16 +36,15 @@ def refused(old: Config, new: Config) -> str:
                      and (old.front.enabled or not k.startswith("vllm.")))
 
 
-def relaunch_reason(old: Config, new: Config, launch: Callable[[Config], Launch],
-                    runtime_was: str | None) -> str:
+def relaunch_reason(was: Launch, nxt: Launch, runtime_was: str | None) -> str:
     """The one rule of what a reload restarts: vLLM restarts iff its next launch differs from
-    the serving one.  Its command line and environment are compared as both configs would
-    launch now (``launch``: the GPU part's resolver), on the same facts (learned limits, the
-    KV budget, the GPU), so that only the config's change counts; the runtime in
-    vllm.command's venv against the one the serving engine started on (``runtime_was``:
-    install-runtime switched it, behind the front a blip, issue 20.6).  "" when none."""
-    nxt = launch(new)
+    the serving one.  Its command line and environment are compared as the old and the new
+    config would launch now (``was``, ``nxt``: the GPU part's resolver), on the same facts
+    (learned limits, the KV budget, the GPU, the host's memory of the serving launch), so that
+    only the config's change counts; the runtime in vllm.command's venv against the one the
+    serving engine started on (``runtime_was``: install-runtime switched it, behind the front a
+    blip, issue 20.6).  "" when none."""
     if runtime_was and nxt.runtime and nxt.runtime != runtime_was:
         return f"vLLM runtime changed: {runtime_was} -> {nxt.runtime}"
-    changes = relaunch_changes(launch(old), nxt)
+    changes = relaunch_changes(was, nxt)
     return f"vLLM's launch changed: {changes}" if changes else ""

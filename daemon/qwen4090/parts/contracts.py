@@ -34,6 +34,7 @@ from qwen4090.decide.results import (
     WarmupResult,
 )
 from qwen4090.launching.launchvalue import Endpoint, Launch
+from qwen4090.launching.plan import HostMemory
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,10 @@ class GpuLike(Protocol):
     # The launch as configured, nothing learned, planned or remembered, and no I/O
     # (launch.configured): the supervisor's until its first preflight resolves one.
     def configured(self, cfg: Config) -> Launch: ...
-    # ``beside``: the endpoint another engine listens on (a standby beside the serving one)
-    def launch(self, cfg: Config, beside: Endpoint | None = None) -> Launch: ...
+    # ``beside``: the endpoint another engine listens on (a standby beside the serving one);
+    # ``host``: the host's memory to resolve on (the serving launch's: Launch.host), else now
+    def launch(self, cfg: Config, beside: Endpoint | None = None,
+               host: HostMemory | str | None = None) -> Launch: ...
     def preflight(self, chosen: Launch) -> PreflightResult: ...
     # Which of these pids still hold memory on the GPU with this NVML index (None: none).
     def held(self, device: int, pids: list[int]) -> str | None: ...

@@ -201,6 +201,8 @@ class Keeper:
     clients_waiting: int = 0  # the front's held requests at this step (note_quiet)
     last_failover: Failover | None = None
     detail: str = ""
+    configured: str = "off"  # restart.standby as configured (the mode: as the launch resolved it)
+    why: str = ""  # why "auto" resolved to the mode ("" when not auto)
 
     def __post_init__(self) -> None:
         if self.on:
@@ -228,6 +230,16 @@ class Keeper:
             self.mode = mode
             self.phase = Phase.WAITING if mode != "off" else Phase.NONE
             self.since = now
+
+    def follow(self, launch: Launch, now: float, term_timeout: float) -> None:
+        """The mode of the serving engine's launch, where restart.standby is resolved ("auto"
+        is "sleep" or "off" there): a standby of another mode is discarded."""
+        self.configured, self.why = launch.standby_configured, launch.standby_why
+        mode = launch.standby if launch.config.front.enabled else "off"
+        if mode != self.mode:
+            self.discard(now, f"restart.standby = {mode!r} now"
+                         + (f" (auto: {self.why})" if self.why else ""), term_timeout)
+            self.set_mode(mode, now)
 
     # --- the daemon's side ------------------------------------------------------------------
 
@@ -591,7 +603,8 @@ class Keeper:
 
     def status(self, now: float) -> dict[str, Any]:
         run = self.run
-        return {"mode": self.mode, "state": self.phase.value, "ready": self.ready,
+        return {"mode": self.mode, "configured": self.configured, "why": self.why,
+                "state": self.phase.value, "ready": self.ready,
                 "pid": run.child.pid if run is not None else None,
                 "port": run.launch.engine.port if run is not None else None,
                 "seconds": round(now - self.since, 1), "kv_tokens": self.kv_tokens,

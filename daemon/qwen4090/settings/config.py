@@ -233,15 +233,21 @@ class RestartConfig:
                                   "it (not a failure); then each held start counts", min=0,
                            max=86400)
     # the standby engine (issue 21): a fault becomes a blip
-    standby: str = opt("off", "a second vLLM engine of the same model kept beside the serving "
-                              "one, which takes over after a crash or a hang (needs the "
-                              "front): off; sleep (started, then put to sleep: its weights "
-                              "wait in pinned host memory, about 1 GiB stays on the GPU; vLLM's "
-                              "sleep mode, CUDA only); awake (a full second engine: twice the "
-                              "memory; for CPU vLLM)", choices=("off", "sleep", "awake"),
-                      reload=RESTART, reload_note="to or from sleep, for --enable-sleep-mode; "
-                                                  "between off and awake it applies at once: "
-                                                  "the standby is built or discarded")
+    standby: str = opt(AUTO, "a second vLLM engine of the same model kept beside the serving "
+                             "one, which takes over after a crash or a hang (needs the "
+                             "front): auto (sleep where the KV-cache plan says this machine "
+                             "holds it: GPU memory beside the serving engine, host memory for "
+                             "the pinned weights with room for the OS and the page cache, "
+                             "CUDA; else off; chosen at each start of vLLM, said in the "
+                             "journal (standby_auto) and by `qwen4090 plan`); off; sleep "
+                             "(started, then put to sleep: its weights wait in pinned host "
+                             "memory, about 1 GiB stays on the GPU; vLLM's sleep mode, CUDA "
+                             "only); awake (a full second engine: twice the memory; for CPU "
+                             "vLLM)", choices=(AUTO, "off", "sleep", "awake"),
+                       reload=RESTART, reload_note="to or from sleep (auto: as it resolves), "
+                                                   "for --enable-sleep-mode; between off and "
+                                                   "awake it applies at once: the standby is "
+                                                   "built or discarded")
     standby_quiet: float = opt(10.0, "seconds of serving READY without a request before the "
                                      "standby is built or rebuilt (a start's seconds do not "
                                      "count; in sleep mode the serving engine sleeps meanwhile "
@@ -374,6 +380,10 @@ class Config:
     front: FrontConfig = field(default_factory=FrontConfig)
     # Where the config came from (not a key): the main file and the drop-ins read.
     sources: tuple[str, ...] = field(default=(), compare=False)
+    # The keys some file set ("section.key", not a key itself): any other is at its default,
+    # which the plan may choose for (restart.standby = "auto" lowers such a
+    # vllm.gpu_memory_utilization for a sleeping standby, never one a file set).
+    given: frozenset[str] = field(default=frozenset(), compare=False)
 
 
 SECTIONS: dict[str, type] = {"vllm": VllmConfig, "warmup": WarmupConfig, "watch": WatchConfig,
@@ -550,9 +560,9 @@ def from_dict(raw: Mapping[str, Any], owner: Mapping[str, str] | None = None,
                                                 f"{', '.join(known)})")
             values[key] = _check(file, dotted, value, hints[key], known[key].metadata)
         sections[name] = cls(**values)
-    cfg = Config(**sections, sources=sources)
-    # status.port and gpu.device follow vllm.* where no file sets them (derived.py)
     given = {f"{name}.{key}" for name, table in raw.items() for key in table}
+    cfg = Config(**sections, sources=sources, given=frozenset(given))
+    # status.port and gpu.device follow vllm.* where no file sets them (derived.py)
     found, wrong = derived.values(given, cfg.vllm.port, cfg.vllm.env.get("CUDA_VISIBLE_DEVICES"),
                                   cfg.gpu.device)
     if wrong is not None:  # (key, why): a contradiction, named in the file that set the key
@@ -791,16 +801,16 @@ RULES: tuple[Rule, ...] = (
              c.vllm.port, c.status.port if c.status.enabled else -1),
          lambda c: f"{c.front.engine_port}, the same as "
                    f"{'vllm.port' if c.front.engine_port == c.vllm.port else 'status.port'}"),
-    Rule("restart.standby", "off unless front.enabled (the standby takes over behind the "
-                            "front: the client port must be qwen4090's)",
-         lambda c: c.restart.standby == "off" or c.front.enabled,
+    Rule("restart.standby", "off or auto unless front.enabled (the standby takes over behind "
+                            "the front: the client port must be qwen4090's; auto is then off)",
+         lambda c: c.restart.standby in ("off", AUTO) or c.front.enabled,
          lambda c: f"{c.restart.standby!r} with front.enabled = false"),
     Rule("front.engine_port", "below 65535 and, + 1, another port than vllm.port and "
-                              "status.port while restart.standby is on (the standby listens "
-                              "on front.engine_port + 1)",
-         lambda c: c.restart.standby == "off" or not c.front.enabled
-         or (c.front.engine_port < 65535 and c.front.engine_port + 1 not in (
-             c.vllm.port, c.status.port if c.status.enabled else -1)),
+                              "status.port while restart.standby is sleep or awake (the "
+                              "standby listens on front.engine_port + 1; with auto, such a "
+                              "port makes it off)",
+         lambda c: c.restart.standby in ("off", AUTO) or not c.front.enabled
+         or not standby_port_clash(c),
          lambda c: f"{c.front.engine_port} (+ 1 = {c.front.engine_port + 1}) with "
                    f"restart.standby = {c.restart.standby!r}"),
     Rule("gpu.device", "at most 63 also when it follows vllm.env.CUDA_VISIBLE_DEVICES",
@@ -858,6 +868,19 @@ RULES: tuple[Rule, ...] = (
                    f"take at least {shortest_crash_loop(c.restart):g} s with these "
                    "restart.backoff_* settings"),
 )
+
+
+def standby_port_clash(c: Config) -> str:
+    """Why a standby has no port behind the front ("" when it has one): it listens on
+    front.engine_port + 1, which must exist and be neither vllm.port nor status.port."""
+    port = c.front.engine_port + 1
+    if port > 65535:
+        return f"front.engine_port + 1 = {port} is no port"
+    if port == c.vllm.port:
+        return f"front.engine_port + 1 = {port} is vllm.port"
+    if c.status.enabled and port == c.status.port:
+        return f"front.engine_port + 1 = {port} is status.port"
+    return ""
 
 
 def shortest_crash_loop(r: RestartConfig) -> float:

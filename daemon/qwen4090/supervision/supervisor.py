@@ -81,10 +81,12 @@ class Supervisor:
         self.restarts = Restarts(cfg.restart, self.log, self.tell.emit)  # budget, backoff
         self.starter = Starter(parts, self.log)  # the preflight, the port's wait, the spawn
         # the standby engine and its builds (issue 21; standby.py)
-        self.keeper = Keeper(cfg.restart.standby if cfg.front.enabled else "off", self.log,
-                             parts.spawn, parts.make_probe,
+        # (its mode is the serving launch's: restart.standby = "auto" is resolved there, and a
+        # standby is resolved on the host facts of the engine it stands by)
+        self.keeper = Keeper("off", self.log, parts.spawn, parts.make_probe,
                              lambda fn: self.p.executor.submit(fn), parts.clock, self.engines,
-                             lambda c, e: self.p.gpu.launch(c, e), since=now)
+                             lambda c, e: self.p.gpu.launch(c, e, self.launch.host), since=now)
+        self.keeper.follow(self.launch, now, cfg.stop.term_timeout)
         # the takeover of the failure being handled (RESTARTING's sub-state; takeover.py)
         self.takeover = Takeover(self.engines, self.keeper, self.log, self.tell.emit)
         self.restarting = Restarting(self.restarts, self.engines, self.takeover, self.keeper,
@@ -218,17 +220,16 @@ class Supervisor:
         old = self.cfg
         self.cfg = new
         self.restarts.crashes.reconfigure(new.restart)
-        mode = new.restart.standby if new.front.enabled else "off"
-        if mode != self.keeper.mode:
-            self.keeper.discard(now, f"restart.standby = {mode!r} now",
-                                self.cfg.stop.term_timeout)
-            self.keeper.set_mode(mode, now)
+        # both as they would launch now, on the serving launch's host facts: the standby's
+        # mode as resolved, and what a reload restarts (reloading.relaunch_reason)
+        was, nxt = (self.p.gpu.launch(c, host=self.launch.host) for c in (old, new))
+        self.keeper.follow(nxt, now, new.stop.term_timeout)
         if self.run is not None:
             self.run.reconfigure(new, "watch" in changed, self.p.step_times)
         self.log.info("reloaded", changed=",".join(changed) or "nothing",
                       files=",".join(new.sources))
         self.tell.emit(Reloaded(tuple(changed)))
-        why = reloading.relaunch_reason(old, new, self.p.gpu.launch, self.launch.runtime)
+        why = reloading.relaunch_reason(was, nxt, self.launch.runtime)
         if why and self.state in states.CHILD_STATES:
             self.log.warning("restart_for_reload", reason=why,
                              old_argv_len=len(old.vllm.command))
@@ -371,6 +372,7 @@ class Supervisor:
         if isinstance(out, Started):
             self.engines.add(out.run)
             self.launch = out.launch
+            self.keeper.follow(out.launch, now, self.cfg.stop.term_timeout)
             self.restarts.started()
             self.transition(now, S.STARTING, "spawned")
         elif isinstance(out, GiveUp):

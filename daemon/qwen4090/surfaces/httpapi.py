@@ -411,6 +411,14 @@ def standby_summary(sb: Mapping[str, Any]) -> str:
     return line
 
 
+def _no_standby(doc: Mapping[str, Any]) -> str:
+    """The status page's words when no standby is kept: off, or what "auto" chose and why."""
+    sb = doc.get("standby")
+    if isinstance(sb, dict) and sb.get("configured") == "auto":
+        return f"no standby engine (restart.standby = auto: off: {sb.get('why')})"
+    return "no standby engine (restart.standby = off)"
+
+
 def _count(n: Any, word: str) -> str:
     n = int(n or 0)
     return f"{n} {word}{'' if n == 1 else 's'}"
@@ -494,7 +502,8 @@ def render_html(doc: Mapping[str, Any]) -> str:
                                      "stream_errors", "failed", "refused", "queue_seconds",
                                      "hold_timeout") if k in front]
     srows: list[list[Any]] = [] if sb is None else [
-        ["now", standby_summary(sb)], ["mode", sb.get("mode")], ["state", sb.get("state")],
+        ["now", standby_summary(sb)], ["mode", sb.get("mode")],
+        ["configured", sb.get("configured")], ["why", sb.get("why")], ["state", sb.get("state")],
         ["ready", "yes" if sb.get("ready") else "no"], ["pid", sb.get("pid")],
         ["port", sb.get("port")], ["in this state", _secs(sb.get("seconds"))],
         ["KV tokens", sb.get("kv_tokens")], ["failovers", sb.get("failovers")],
@@ -528,7 +537,7 @@ pre{{background:#f6f8fa;padding:.6em;overflow:auto;font-size:12px}}
 <h2>Client port (front)</h2>
 {table(["", ""], frows, "no front: clients talk to vLLM directly (front.enabled = false)")}
 <h2>Standby</h2>
-{table(["", ""], srows, "no standby engine (restart.standby = off)")}
+{table(["", ""], srows, _no_standby(doc))}
 <h2>vLLM (last poll)</h2>
 {table(["metric", "value"], [[k, v] for k, v in sorted(vm.items())], "no metrics yet")}
 <h2>Restart history</h2>
