@@ -707,9 +707,10 @@ def one_line(row: dict[str, Any], rebuild: bool = False) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--base", choices=("cpu", "gpu"), default="cpu")
-    ap.add_argument("--standby", choices=("off", "sleep", "awake"),
+    ap.add_argument("--standby", choices=("off", "sleep", "awake", "auto"),
                     help="restart.standby (default: sleep on gpu, awake on cpu); off: the "
-                         "plain restart, no standby waits")
+                         "plain restart, no standby waits; auto: the shipped default (the "
+                         "bench waits for the standby auto should choose)")
     ap.add_argument("--faults", default="kill-engine,hang",
                     type=lambda s: [f for f in s.split(",") if f])
     ap.add_argument("--repeat", type=int, default=5)

@@ -18,7 +18,8 @@
 #                                           call copies the JSON so far and the logs to $OUT
 #                                           (~15-20 min in all: 2-3 calls)
 #   bash scripts/gpu/standby.sh stop        stop a faults run (the bench, then its daemon)
-# Env: OUT, QWEN4090_GPU_MODEL (the model directory), LOAD (checkpoint; dummy: the lab's
+# Env: SHIPPED=1 (faults: the shipped defaults, restart.standby = "auto", instead of the lab's
+# sleep + hang_timeout 15), OUT, QWEN4090_GPU_MODEL (the model directory), LOAD (checkpoint; dummy: the lab's
 # --load-format dummy, no checkpoint stage), REPEAT (5), FAULTS (kill-engine,hang),
 # SETS (more --set SECTION.KEY=JSON for the daemon, space-separated), WAIT (500 s), BUDGET
 # (seconds for the faults: no repeat starts that would likely pass it; 0 = none). Each repeat
@@ -80,7 +81,19 @@ probe)
   ;;
 faults)
   if ! running; then
+    mode=sleep
     sets=(--set 'restart.standby="sleep"' --set 'watch.hang_timeout=15')
+    if [ "${SHIPPED:-0}" = 1 ]; then  # issue 30: the shipped defaults over the lab's model
+      # settings (restart.standby = "auto", the whole [watch], [restart] and [stop]), except
+      # restart.budget_failures: ten injected faults in 15 minutes would spend the shipped 5
+      mode=auto
+      sets=(--set 'restart.standby="auto"' --set watch.poll_interval=5 --set watch.hang_timeout=60
+            --set watch.hang_floor=1.5 --set watch.canary_interval=30 --set watch.canary_timeout=30
+            --set watch.unhealthy_timeout=30 --set watch.health_timeout=5
+            --set restart.backoff_initial=2 --set restart.budget_failures=12
+            --set stop.drain_timeout=30 --set stop.term_timeout=15)
+      echo "SHIPPED=1: the shipped defaults, restart.standby = auto (budget_failures 12)"
+    fi
     if [ "${LOAD:-checkpoint}" = dummy ]; then  # the lab's --load-format dummy: no checkpoint stage
       echo "LOAD=dummy: weights by --load-format dummy"
     else
@@ -92,7 +105,7 @@ faults)
     rm -f "$W/bench.pid"
     {  # the bench's own pid in bench.pid (stop signals it: it stops its daemon), its rc after
       printf 'cd %q\n' "$PWD"
-      printf '%q ' python3 bench/failover.py --base gpu --standby sleep --faults "$FAULTS" \
+      printf '%q ' python3 bench/failover.py --base gpu --standby "$mode" --faults "$FAULTS" \
         --repeat "$REPEAT" --clients 2 --budget "$BUDGET" "${sets[@]}" --log "$W/daemon.log" \
         --pidfile "$W/daemon.pid" --out "$W/failover-h200.json"
       printf '&\necho $! > %q\nwait $!\necho $? > %q\n' "$W/bench.pid" "$W/bench.rc"
