@@ -122,6 +122,7 @@ class FakeFront:
         self.bytes = 0
         self.last_byte_at: float | None = None  # when the last of those bytes came in
         self.longest_gap: float | None = None  # between two chunks of one stream, lately
+        self.at_engine = 0  # requests the engine surely has (answers under way, small ones)
         self.draining = True  # front.drain() took effect (it does so on the front's own loop)
         self.commands: list[FrontCommand] = []  # what the supervisor told it, in order
 
@@ -130,7 +131,8 @@ class FakeFront:
 
     def sample(self) -> FrontSample:
         return FrontSample(self.in_flight, self.holding, self.unanswered, 0.0, self.bytes,
-                           True, self.draining, self.last_byte_at, longest_gap=self.longest_gap)
+                           True, self.draining, self.last_byte_at, longest_gap=self.longest_gap,
+                           at_engine=self.at_engine)
 
 
 class FakeProbe:

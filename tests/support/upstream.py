@@ -132,12 +132,12 @@ def make_front(upstream: Upstream, up: bool = True, hold: float = 5.0, **limits:
     return f
 
 
-def request(port: int, stream: bool = False, timeout: float = 20.0
-            ) -> tuple[int, dict[str, str], bytes]:
+def request(port: int, stream: bool = False, timeout: float = 20.0,
+            body: dict[str, Any] | None = None) -> tuple[int, dict[str, str], bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         conn.request("POST", "/v1/completions", body=json.dumps(
-            {"model": "tiny", "prompt": "x", "max_tokens": 3, "stream": stream}),
+            body or {"model": "tiny", "prompt": "x", "max_tokens": 3, "stream": stream}),
             headers={"Content-Type": "application/json", "Authorization": "Bearer k"})
         r = conn.getresponse()
         return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
@@ -148,16 +148,17 @@ def request(port: int, stream: bool = False, timeout: float = 20.0
 class Later(threading.Thread):
     """A request on a thread of its own; ``result`` once it returns."""
 
-    def __init__(self, port: int, stream: bool = False) -> None:
+    def __init__(self, port: int, stream: bool = False, body: dict[str, Any] | None = None
+                 ) -> None:
         super().__init__(daemon=True)
-        self.port, self.stream = port, stream
+        self.port, self.stream, self.body = port, stream, body
         self.result: tuple[int, dict[str, str], bytes] | None = None
         self.error: BaseException | None = None
         self.start()
 
     def run(self) -> None:
         try:
-            self.result = request(self.port, self.stream)
+            self.result = request(self.port, self.stream, body=self.body)
         except BaseException as e:
             self.error = e
 

@@ -495,3 +495,22 @@ def test_gaps_are_a_sliding_window_maximum() -> None:
     g.add(20.0, 0.3)
     g.add(21.0, 0.4)
     assert g.longest(21.0) == 0.4 and len(g._q) == 1  # smaller, older gaps are dropped
+
+
+def test_the_engine_surely_has_small_requests_and_answers_under_way(upstream: Upstream
+                                                                    ) -> None:
+    # a small request sent to a wedged engine is the engine's (at_engine), a 400 KB one may
+    # still be in vLLM's tokenizer (not counted); both are in flight and unanswered
+    upstream.mode = "stuck"
+    f = make_front(upstream)
+    try:
+        small = Later(f.listen[1])
+        assert wait_until(lambda: f.sample().unanswered == 1)
+        assert f.sample().at_engine == 1
+        big = Later(f.listen[1], body={"model": "m", "prompt": "w " * 200_000})
+        assert wait_until(lambda: f.sample().unanswered == 2)
+        s = f.sample()
+        assert (s.in_flight, s.unanswered, s.at_engine) == (2, 2, 1)
+        del small, big
+    finally:
+        f.stop()

@@ -1222,3 +1222,22 @@ def test_the_hang_bound_shows_in_status_and_metrics() -> None:
     (fam,) = [m for m in httpapi.metric_families(h.sup.snapshot())
               if m.name == "qwen4090_hang_bound_seconds"]
     assert fam.samples[0].value == pytest.approx(2.4)
+
+
+def test_short_requests_on_a_stopped_engine_whose_gauge_reads_zero_are_a_fast_hang() -> None:
+    # H100, 2026-12-06: two clients of short requests back to back, the EngineCore SIGSTOPped;
+    # vLLM's running gauge read 0 (its last step had just finished the batch), so the fast
+    # verdict never came and the canary ended it after 60 s.  The front knows better: small
+    # requests it sent are the engine's, whatever the gauge says
+    front = FakeFront()
+    h = fast_hang(front)
+    front.in_flight, front.at_engine = 2, 2
+    for _ in range(100):  # 5 s of answers
+        front.bytes += 10
+        front.last_byte_at = h.clock.t
+        h.step(0.05)
+    last = front.last_byte_at
+    assert last is not None and h.probe.running == 0.0
+    h.run_until(State.RESTARTING, dt=0.05, limit=200)
+    assert h.failure.cause is Cause.HANG
+    assert last + 1.5 <= h.clock.t <= last + 1.5 + 0.5, h.clock.t - last

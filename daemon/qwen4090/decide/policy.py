@@ -276,8 +276,9 @@ class Progress:
     waiting: float
     tokens: float  # any counter that grows while the engine makes progress
     moved_at: float | None = None  # when the last of it was seen, if a witness knows (the front)
-    # vLLM's own running gauge (without the front's count): the engine itself reported steps
-    # with requests in them; None when unknown (it counts as "not reported")
+    # the requests the engine itself surely has: vLLM's running gauge, or with the front the
+    # answers under way and the small requests sent (FrontSample.at_engine) -- not a request
+    # whose large prompt the API server may still be tokenizing; None: unknown (not busy)
     engine_running: float | None = None
     answered_in: float | None = None  # seconds the /metrics answer took (None: unknown)
 
@@ -287,8 +288,9 @@ class Progress:
 
     @property
     def engine_busy(self) -> bool:
-        """The engine itself said it was running requests: a request the API server is still
-        tokenizing (the front counts it in flight; vLLM has not scheduled it) is not."""
+        """The engine surely has requests: a request whose large prompt the API server may
+        still be tokenizing (the front counts it in flight; vLLM has not scheduled it) is not
+        one of them."""
         return bool(self.engine_running and self.engine_running > 0)
 
 

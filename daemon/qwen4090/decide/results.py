@@ -155,6 +155,10 @@ class FrontSample:
     # the longest gap between two chunks of one streamed answer relayed in the last
     # front.STEP_WINDOW seconds (None: none): the engine's steps as the load makes them now
     longest_gap: float | None = None
+    # requests the engine surely has: answers under way, and unanswered ones with a small body
+    # (front.SMALL_BODY: past vLLM's tokenizer at once); vLLM's own running gauge can read 0
+    # while its engine is stopped (H100, 2026-12-06: short requests back to back)
+    at_engine: int = 0
 
 
 # --- the warmup (warmup.py) -----------------------------------------------------------------------

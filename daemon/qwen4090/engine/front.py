@@ -92,6 +92,11 @@ KEEPALIVE = 2.0
 # longest_gap): long enough to span a burst's slowest steps, short enough that the hang bound
 # comes down again once a heavy load has passed.
 STEP_WINDOW = 300.0
+# A request body up to this size is past vLLM's tokenizer within milliseconds of reaching it
+# (~16k tokens of text): once sent, it is the engine's work.  A larger one may still be
+# tokenized in the API server (a 400 KB prompt), where the engine cannot be blamed for its
+# silence (the fast hang verdict, issue 30.3).
+SMALL_BODY = 64 * 1024
 
 
 class Gaps:
@@ -183,6 +188,10 @@ class Front:
         self._in_flight = 0
         self._holding = 0
         self._unanswered: dict[int, float] = {}
+        # the requests the engine surely has (FrontSample.at_engine): answers under way, and
+        # unanswered ones whose body is small enough to be past vLLM's tokenizer at once
+        self._large: set[int] = set()  # unanswered, body above SMALL_BODY
+        self._answering: set[int] = set()  # a byte of the answer back, not done
         self._held: dict[int, float] = {}  # waiting for an engine: since the client sent it
         self._bytes = 0
         self._last_byte: float | None = None
@@ -353,12 +362,13 @@ class Front:
         now = self.clock()
         with self._lock:
             oldest = now - min(self._unanswered.values()) if self._unanswered else 0.0
+            at_engine = len(self._answering) + len(self._unanswered) - len(self._large)
             return FrontSample(self._in_flight, self._holding, len(self._unanswered),
                                max(0.0, oldest), self._bytes, self._open, self._draining,
                                self._last_byte, len(self._doors.open),
                                self.shedding.sample(),
                                tuple(sorted((str(k), n) for k, n in self._on_engine.items())),
-                               self._gaps.longest(now))
+                               self._gaps.longest(now), at_engine)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> None:
         loop = self._loop
@@ -473,7 +483,7 @@ class Front:
             self._body_bytes -= held[0]
             with self._lock:
                 self._in_flight -= 1
-                self._unanswered.pop(rid, None)
+                self._settle(rid)
 
     async def _read_body(self, request: web.Request, held: list[int]
                          ) -> bytes | web.StreamResponse:
@@ -551,7 +561,7 @@ class Front:
                 return await self._send(request, rid, gen, body, target, fresh=fresh)
             except EngineFailed as e:
                 with self._lock:
-                    self._unanswered.pop(rid, None)
+                    self._settle(rid)
                 if (isinstance(e, NoAnswer) and self._refusing is None and not
                         await self._engine_declared_dead(gen, REPLAY_GRACE if fresh else 0.0)):
                     # Nobody says this engine died, its connection did: one its server closed
@@ -656,6 +666,8 @@ class Front:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         with self._lock:
             self._unanswered[rid] = self.clock()
+            if len(body) > SMALL_BODY:
+                self._large.add(rid)
         try:
             upstream = await session.request(request.method, url, headers=headers,
                                              data=body, allow_redirects=False)
@@ -758,7 +770,16 @@ class Front:
                 self._bytes += n
                 self._last_byte = now
             self._unanswered.pop(rid, None)
+            self._large.discard(rid)
+            self._answering.add(rid)
         return now
+
+    def _settle(self, rid: int) -> None:
+        """``rid`` is answered in full, or its engine failed (it may be sent again): it is no
+        longer the engine's (under self._lock)."""
+        self._unanswered.pop(rid, None)
+        self._large.discard(rid)
+        self._answering.discard(rid)
 
     def _hold_timeout(self, request: web.Request, arrived: float) -> web.Response:
         with self._lock:

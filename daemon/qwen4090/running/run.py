@@ -805,7 +805,7 @@ def _progress(m: MetricsResult, front: FrontSample | None) -> Progress:
                         answered_in=m.seconds)
     return Progress(max(running, front.in_flight - front.holding), waiting,
                     tokens + front.bytes_from_engine, front.last_byte_at,
-                    engine_running=running, answered_in=m.seconds)
+                    engine_running=max(running, front.at_engine), answered_in=m.seconds)
 
 
 def _quiet_since(front: FrontSample | None, now: float) -> float | None:
