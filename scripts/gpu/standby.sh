@@ -81,12 +81,12 @@ probe)
   ;;
 faults)
   if ! running; then
-    mode=sleep
+    mode="sleep"
     sets=(--set 'restart.standby="sleep"' --set 'watch.hang_timeout=15')
     if [ "${SHIPPED:-0}" = 1 ]; then  # issue 30: the shipped defaults over the lab's model
       # settings (restart.standby = "auto", the whole [watch], [restart] and [stop]), except
       # restart.budget_failures: ten injected faults in 15 minutes would spend the shipped 5
-      mode=auto
+      mode="auto"
       sets=(--set 'restart.standby="auto"' --set watch.poll_interval=5 --set watch.hang_timeout=60
             --set watch.hang_floor=1.5 --set watch.canary_interval=30 --set watch.canary_timeout=30
             --set watch.unhealthy_timeout=30 --set watch.health_timeout=5

@@ -4,6 +4,7 @@ against the real CPU vLLM under the real supervisor: tests/integration/test_edge
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import http.client
 import json
@@ -20,6 +21,7 @@ from tests.support.upstream import Later, Upstream, make_front, request, upstrea
 
 from qwen4090.base.fdlimit import FD_RESERVE
 from qwen4090.base.steering import Serve
+from qwen4090.engine import frontlimits
 from qwen4090.engine.front import Front
 from qwen4090.engine.frontlimits import LINGER_MAX, LINGER_MIN, Limits, LineQuota, limits_of
 from qwen4090.settings.config import FrontConfig
@@ -333,3 +335,42 @@ def test_a_large_body_sent_right_behind_its_head_is_not_a_large_head(
         assert len(upstream.seen) == 1
     finally:
         f.stop()
+
+
+class _Transport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written, self.closed = b"", False
+
+    def write(self, data: Any) -> None:
+        self.written += bytes(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("sent,timed_out", [
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", False),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", True)])
+def test_only_a_head_still_coming_is_timed_not_one_waiting_for_its_handler(
+        sent: bytes, timed_out: bool) -> None:
+    # the CPU soak (issue 30.3): on a starved box, requests whose heads had come whole got
+    # 408 because their handler had not started within header_timeout of the connection
+    now = [0.0]
+    rejected: list[str] = []
+    doors = frontlimits.Doors(lambda: frontlimits.Limits(header_timeout=10.0),
+                              lambda limit: None, rejected.append, lambda: now[0])
+    door = doors.protocol(asyncio.Protocol)()
+    t = _Transport()
+    door.connection_made(t)
+    door.data_received(sent)
+    now[0] = 11.0
+    doors.sweep()
+    assert t.closed is timed_out and (b" 408 " in t.written) is timed_out
+    assert rejected == (["header_timeout"] if timed_out else [])

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -220,3 +221,18 @@ def test_a_split_the_heads_do_not_divide_by_is_refused(q14: Path) -> None:
     assert not p.fits and p.problems[0][0] == "vllm.tensor_parallel_size"
     assert "40 attention heads do not divide by it" in p.problems[0][1]
     assert "expected one of 1, 2, 4, 5, 8, 10, 20, 40" in p.problems[0][1]
+
+
+def test_sleep_mode_plans_the_kv_cache_vllm_gives_in_sleep_mode(q14: Path) -> None:
+    # H100 80GB (CUDA's 79.18 GiB), vLLM 0.26, Qwen3-14B fp8 at 0.28 (2026-12-06): without
+    # sleep mode vLLM gave 28,864 KV tokens, with it 31,680 (its profile counts non-torch
+    # memory at -0.21 GiB in sleep mode).  The plan follows both, never above vLLM's.
+    h100 = plan.GpuMemory(int(79.18 * GIB), "NVIDIA H100 80GB HBM3", "test")
+    cfg = cfg_for(q14, quantization="fp8", gpu_memory_utilization=0.28, max_model_len=8192,
+                  max_num_seqs=8, max_num_batched_tokens=8192)
+    off = plan.make_plan(cfg, plan.read_model(q14), h100)
+    asleep = plan.make_plan(dataclasses.replace(cfg, restart=dataclasses.replace(
+        cfg.restart, standby="sleep")), plan.read_model(q14), h100)
+    assert off.kv_tokens == pytest.approx(28_864, rel=0.01)
+    assert asleep.kv_tokens == pytest.approx(31_680, rel=0.01)
+    assert asleep.kv_tokens <= 31_680 and asleep.non_torch_bytes < 0

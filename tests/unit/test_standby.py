@@ -8,7 +8,7 @@ import signal
 from typing import Any
 
 import pytest
-from test_supervisor import Harness
+from test_supervisor import Harness, measured, warm_ok
 from tests.support.fakes import FakeChild, FakeFront, FakeProbe
 
 from qwen4090.base.events import Event, StandbyWoken, Transition
@@ -23,7 +23,8 @@ ENGINE = 18000  # front.engine_port: the serving engine's first port; the standb
 
 
 class StandbyHarness(Harness):
-    def __init__(self, mode: str, raw: dict[str, Any] | None = None) -> None:
+    def __init__(self, mode: str, raw: dict[str, Any] | None = None,
+                 warmup: Any = warm_ok) -> None:
         self.probes: dict[int, FakeProbe] = {}
         self.ports: dict[int, int] = {}  # child pid -> the port it was launched on
         self.events: list[Event] = []
@@ -34,7 +35,7 @@ class StandbyHarness(Harness):
                 "front": {"enabled": True, "engine_port": ENGINE}}
         for k, v in (raw or {}).items():
             base.setdefault(k, {}).update(v)
-        super().__init__(base, front=self.front)
+        super().__init__(base, warmup=warmup, front=self.front)
         self.sup.p.make_probe = self.make_probe
         self.sup.keeper.make_probe = self.make_probe
         self.sup.p.listeners.append(self.events.append)
@@ -522,3 +523,17 @@ def test_a_request_before_the_serving_engine_sleeps_ends_the_build_at_once() -> 
     assert h.sup.state is S.READY and h.probe_of(ENGINE).controls == []
     assert len(h.children) == 1 and h.sup.keeper.build is None
     assert h.log.named("standby_build_interrupted")[0]["step"] in ("drain", "reference")
+
+
+def test_a_promoted_standby_bounds_hangs_by_the_step_on_disk(tmp_path: Any) -> None:
+    """A standby never runs a warmup of its own (it is warmed asleep): once it serves, its
+    hang bound is the longest step measured for these settings, not the floor alone."""
+    h = StandbyHarness("awake", {"gpu": {"state_directory": str(tmp_path)},
+                                 "watch": {"hang_floor": 1.0, "hang_timeout": 60.0}},
+                       warmup=measured(2.0))
+    h.standby_ready()
+    assert h.run.hang_doc()["longest_step_seconds"] == 2.0
+    h.children[0].exit(1)
+    h.until(lambda: h.sup.state is S.READY and h.sup.child is h.children[1])
+    doc = h.run.hang_doc()
+    assert doc["longest_step_seconds"] == 2.0 and doc["bound_seconds"] == 6.0

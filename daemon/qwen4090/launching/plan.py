@@ -20,7 +20,8 @@ Numbers and where they come from (vLLM 0.26 on an H200, docs/gpu-validation.md):
   15.2 GiB).
 - activation peak: vLLM profiles one forward pass of max_num_batched_tokens tokens; we reserve
   ``tokens x (4 x intermediate + 8 x hidden) x activation bytes`` (1.69 GiB for Qwen3-14B at
-  8192 tokens, where vLLM measured 1.61), plus 0.25 GiB non-torch memory (measured 0.22).
+  8192 tokens, where vLLM measured 1.61), plus 0.25 GiB non-torch memory (measured 0.22; in
+  sleep mode vLLM counts it below zero, and the plan -0.15 GiB: SLEEP_NON_TORCH_BYTES).
 - outside the budget: NVML saw vLLM use ~1.5 GiB more than its budget (CUDA graphs 0.9 GiB,
   the CUDA context); we plan 1.6 GiB (0.7 GiB with enforce_eager).
 
@@ -61,6 +62,12 @@ GIB = 1024 ** 3
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
                "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1, "int8": 1}
 NON_TORCH_BYTES = int(0.25 * GIB)
+# In sleep mode vLLM's profile sees the weights in its CuMemAllocator pool, outside torch's
+# counters, and reports non-torch memory below zero: -0.21 GiB on the H100 (vLLM 0.26,
+# Qwen3-14B fp8, 2026-12-06, docs/recovery.md), where the same engine without sleep mode said
+# +0.22 GiB, and its KV cache came out 0.42 GiB larger (31,680 tokens against 28,864).  The
+# plan counts -0.15 GiB there: a little less KV than vLLM gives, never more (issue 30.6).
+SLEEP_NON_TORCH_BYTES = int(-0.15 * GIB)
 OUTSIDE_BUDGET_BYTES = int(1.6 * GIB)  # CUDA graphs + context (measured ~1.5 GiB)
 OUTSIDE_BUDGET_EAGER_BYTES = int(0.7 * GIB)  # context only
 PLAN_TOLERANCE = 0.05  # the plan is an estimate: refuse only when clearly over
@@ -369,6 +376,8 @@ def make_plan(cfg: Config, model: ModelFacts, gpu: GpuMemory) -> Plan:
     block = v.block_size if isinstance(v.block_size, int) else 16
     budget = int(v.gpu_memory_utilization * gpu.total_bytes)
     chunked = v.enable_chunked_prefill
+    sleep = cfg.restart.standby == "sleep" or "--enable-sleep-mode" in v.extra_args
+    non_torch = SLEEP_NON_TORCH_BYTES if sleep else NON_TORCH_BYTES
     explicit_len = v.max_model_len if isinstance(v.max_model_len, int) else None
     model_max = model.max_position_embeddings
     chosen: dict[str, str] = {}
@@ -386,7 +395,7 @@ def make_plan(cfg: Config, model: ModelFacts, gpu: GpuMemory) -> Plan:
     for _ in range(4):
         batched = batched_for(length)
         act = activation_bytes(model, batched, dtype, tp)
-        kv_cache = budget - weights - act - NON_TORCH_BYTES
+        kv_cache = budget - weights - act - non_torch
         kv_tokens = max(0, kv_cache // per_token // block * block)
         new_len = explicit_len or _auto_len(model_max, kv_tokens, block)
         if new_len == length:
@@ -414,7 +423,7 @@ def make_plan(cfg: Config, model: ModelFacts, gpu: GpuMemory) -> Plan:
     plan = Plan(model=model, gpu=gpu, dtype=dtype, kv_dtype=kv_dtype,
                 gpu_memory_utilization=v.gpu_memory_utilization, weights_bytes=weights,
                 weights_note=note, kv_bytes_per_token=per_token, activation_bytes=act,
-                non_torch_bytes=NON_TORCH_BYTES, budget_bytes=budget,
+                non_torch_bytes=non_torch, budget_bytes=budget,
                 kv_cache_bytes=kv_cache, kv_tokens=kv_tokens, outside_budget_bytes=outside,
                 block_size=block, max_model_len=max_len, max_num_seqs=seqs,
                 max_num_batched_tokens=batched, tensor_parallel_size=tp, chosen=chosen)
@@ -517,9 +526,10 @@ def _judge_standby(plan: Plan, cfg: Config) -> None:
     most = math.floor(most * 100) / 100
     at = None
     if most > 0:
+        # the same mode (sleep mode's KV account), at a utilization whose peak leaves the
+        # standby its share: that plan's own standby check passes at once, no deeper
         lower = dataclasses.replace(
-            cfg, vllm=dataclasses.replace(cfg.vllm, gpu_memory_utilization=most),
-            restart=dataclasses.replace(cfg.restart, standby="off"))
+            cfg, vllm=dataclasses.replace(cfg.vllm, gpu_memory_utilization=most))
         at = make_plan(lower, plan.model, plan.gpu)
     if at is not None and at.fits and at.kv_tokens > 0:
         acc.max_utilization, acc.kv_tokens_at_max = most, at.kv_tokens
@@ -643,7 +653,9 @@ def render(plan: Plan, cfg: Config) -> str:
     row("- activation peak", g(plan.activation_bytes),
         f"{plan.max_num_batched_tokens} batched tokens x (4 x {m.intermediate}"
         f"{f' / {tp}' if tp > 1 else ''} + 8 x {m.hidden}) x {DTYPE_BYTES.get(plan.dtype, 2)} B")
-    row("- non-torch", g(plan.non_torch_bytes), "NCCL/cuBLAS buffers (measured 0.22 GiB)")
+    row("- non-torch", g(plan.non_torch_bytes),
+        "NCCL/cuBLAS buffers (measured 0.22 GiB)" if plan.non_torch_bytes >= 0 else
+        "sleep mode: vLLM's profile counts it below zero (measured -0.21 GiB)")
     row("= KV cache", g(plan.kv_cache_bytes))
     row("KV bytes per token", f"{plan.kv_bytes_per_token:,} B",
         f"2 x {m.layers} layers x {kv_heads_per_gpu(m, tp)} KV heads"

@@ -373,12 +373,17 @@ class Run:
                 else round(self.bound_step, 3),
                 "longest_gap_seconds": None if gap is None else round(gap, 3)}
 
-    def became_ready(self, now: float) -> None:
+    def became_ready(self, now: float, step: float | None = None) -> None:
         """The watch starts over: a stall timed before READY (a start, a sleep) is not this
         serving's, and a first sample is taken at once, so that a hang in the first
         poll_interval is dated from its last progress (H200: a SIGSTOP 0.3 s after a rebuild's
-        READY, with no sample since, was timed from the first poll, 1.7 s late)."""
+        READY, with no sample since, was timed from the first poll, 1.7 s late).  ``step``:
+        the longest step on disk for these settings, the bound of an engine that never ran
+        a warmup of its own (a promoted standby: it was warmed asleep, by its predecessor)."""
         self.phase = Phase.UP
+        if self.bound_step is None and step is not None:
+            self.bound_step = step
+            self.serving.hang.set_steps(step, None)
         self.serving.restart(now)
 
     def assign(self, role: Role) -> None:

@@ -355,7 +355,7 @@ class Supervisor:
                 self.p.front.command(Hold(ask.reason, self.run.child.pid))  # it sleeps
             elif ask.what == "resume" and self.state is S.REBUILDING:
                 assert self.run is not None
-                self.run.became_ready(now)  # the watch starts over: it slept
+                self.run.became_ready(now, self.p.step_times.measured(self.cfg))  # it slept
                 self.serve(self.run)
                 self.transition(now, S.READY, ask.reason)
             elif ask.what == "fail" and ask.verdict is not None:
@@ -406,7 +406,7 @@ class Supervisor:
         self.serve(run)  # before READY: the front opens on this engine's address
         self.transition(now, S.READY, why)
         self.restarts.ready(now)
-        run.became_ready(now)
+        run.became_ready(now, self.p.step_times.measured(self.cfg))
         tokens, kv_bytes = run.child.kv_cache()
         if self.p.gpu.remember_kv(run.launch, tokens, kv_bytes):
             self.log.info("kv_budget_recorded", kv_bytes=kv_bytes, kv_tokens=tokens)
