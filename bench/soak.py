@@ -26,7 +26,9 @@ every minute) and a summary on stdout.
 CPU (the tiny model; ~35 min with the default 30 minutes):
     flock /tmp/qwen4090-vllm.lock .venv/bin/python bench/soak.py --base cpu --minutes 30 \\
         --out docs/soak/cpu.json
-GPU (H200/H100 with the kit, PYTHONPATH as scripts/gpu/kit.sh sets it): scripts/gpu/soak.sh
+GPU (H200/H100 with the kit; not run yet: a 30-minute run outlasts one device call, so start
+it in the background as scripts/gpu/standby.sh does its faults):
+    . scripts/gpu/kit.sh; python3 bench/soak.py --base gpu --minutes 30 --out $OUT/soak.json
 """
 
 from __future__ import annotations
