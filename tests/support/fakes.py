@@ -59,6 +59,7 @@ class FakeChild:
         self.pid = FakeChild.next_pid
         self.lines = 0
         self.last_output = 0.0
+        self.ending: str | None = None
         self.rc: int | None = None
         self.alive = True
         self.signals: list[int] = []
@@ -90,6 +91,9 @@ class FakeChild:
 
     def kv_cache(self) -> tuple[int | None, int | None]:
         return self.kv
+
+    def mark_ending(self, why: str) -> None:
+        self.ending = self.ending or why
 
     def signal_group(self, sig: int) -> bool:
         self.signals.append(sig)

@@ -98,7 +98,9 @@ def demo_config(port: int, root: Path = REPO) -> Config:
     return {
         "vllm": cpu_vllm(port, rt / "venv" / "bin" / "python", rt / "tiny-model"),
         "warmup": {"lengths": [1, 16, 256, 1024], "concurrency": [1, 4, 8]},
-        "watch": {"poll_interval": 2.0},
+        # a 2 s poll shows faults sooner in a demo; health_timeout stays within it (check-config
+        # warns when a slow /health could delay the next poll)
+        "watch": {"poll_interval": 2.0, "health_timeout": 2.0},
         # learned settings and (outside systemd) the instance lock: writable without root
         "gpu": {"state_directory": str(rt / "state")},
     }

@@ -95,7 +95,7 @@ def test_group_signal_reaches_orphaned_grandchildren() -> None:
     """)
     lines: list[tuple[str, str]] = []
     child = VllmChild([sys.executable, "-c", script], dict(os.environ),
-                      lambda s, line: lines.append((s, line)))
+                      lambda s, line, ending: lines.append((s, line)))
     try:
         assert wait_until(lambda: len(child.group_members()) == 2)
         assert wait_until(lambda: any("grandchild up" in ln for _, ln in lines))
@@ -272,7 +272,7 @@ def test_the_child_tells_its_engines_death_line_with_itself_and_its_kv_cache() -
     """)
     seen: list[tuple[str, Any]] = []
     child = VllmChild([sys.executable, "-c", script], dict(os.environ),
-                      lambda s, line: seen.append(("line", line)),
+                      lambda s, line, ending: seen.append(("line", line)),
                       on_engine_dead=lambda c, line: seen.append(("dead", (c, line))))
     try:
         assert wait_until(lambda: any(kind == "dead" for kind, _ in seen))

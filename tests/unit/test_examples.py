@@ -58,3 +58,13 @@ def test_dashboard_and_scrape_example_use_exported_names() -> None:
     plain = [NAME_PATTERN.sub("", e) for e in exprs]
     used = {m for e in plain for m in re.findall(r"\bqwen4090_[a-z_]+\b", e)}
     assert used and used <= names, used - names
+
+
+def test_the_demos_config_draws_no_warning_from_check_config() -> None:
+    # issue 31.7: scripts/demo-config.sh's config warned that its health_timeout 5 was above
+    # its poll_interval 2 (README's first command serves it)
+    from tests.support.runtime import demo_config
+
+    from qwen4090.launching.configrisk import config_warnings
+    from qwen4090.settings.config import from_dict
+    assert config_warnings(from_dict(demo_config(8000)), env={}) == []

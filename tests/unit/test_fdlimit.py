@@ -139,7 +139,7 @@ cfg = from_dict({"vllm": {"host": "127.0.0.1", "port": free_port,
                           "api_key_file": str(key)}})
 # a group whose leader is named like vLLM's EngineCore
 eng = child.VllmChild([sys.executable, "-c", "import time; time.sleep(60)", "EngineCore_DP0"],
-                      dict(os.environ), lambda stream, line: None)
+                      dict(os.environ), lambda stream, line, ending: None)
 deadline = time.monotonic() + 20
 while eng.engine_pids() != [eng.pid]:
     assert time.monotonic() < deadline, "the engine never showed its name"
@@ -172,7 +172,7 @@ out["preflight"] = [res.fatal is not None, res.transient, res.unseen.errno if re
 health = VllmProbe("127.0.0.1", port, "m").health(1.0)
 out["health"] = [health.ok, health.unseen]
 try:
-    child.spawn(["true"], cfg, lambda stream, line: None, env={})
+    child.spawn(["true"], cfg, lambda stream, line, ending: None, env={})
     out["spawn"] = "spawned"
 except Exception as e:
     out["spawn"] = fdlimit.exhausted(e)

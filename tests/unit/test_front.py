@@ -514,3 +514,21 @@ def test_the_engine_surely_has_small_requests_and_answers_under_way(upstream: Up
         del small, big
     finally:
         f.stop()
+
+
+def test_each_request_is_one_debug_line_with_the_clients_own_address(upstream: Upstream
+                                                                     ) -> None:
+    # issue 31.6: vLLM's access lines behind the front name only 127.0.0.1 and go at debug;
+    # the front's line names the client, at debug too (off by default)
+    f = make_front(upstream)
+    try:
+        assert request(f.listen[1])[0] == 200
+        assert wait_until(lambda: f.log.named("request"))
+        (line,) = f.log.named("request")
+        levels = [lvl for lvl, e, _ in f.log.events if e == "request"]
+        assert levels == ["debug"]
+        assert line["client"] == "127.0.0.1" and line["method"] == "POST"
+        assert line["path"] == "/v1/completions" and line["status"] == 200
+        assert line["seconds"] >= 0
+    finally:
+        f.stop()

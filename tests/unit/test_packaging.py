@@ -143,6 +143,14 @@ def test_restart_oom_and_limits(name: str) -> None:
     burst, interval = int(u["StartLimitBurst"]), _sec(u["StartLimitIntervalSec"])
     assert "StartLimitBurst" not in s and "StartLimitIntervalSec" not in s  # [Unit] only
     assert burst * _sec(s["RestartSec"]) < interval and burst >= 2
+    # issue 31.4: a clean stop (an administrator's stop or restart) flushes the start count,
+    # as root outside the sandbox, never failing the stop; a death leaves it counted
+    (post,) = unitfile.values(text, "Service", "ExecStopPost")
+    assert post.startswith("-+/bin/sh -c ") and "reset-failed %n" in post
+    assert '"$$SERVICE_RESULT" != success' in post
+    # issue 31.7: the runtime's and the models' mounts first; the models read-only
+    assert set(u["RequiresMountsFor"].split()) == {"/opt/qwen4090", "/var/lib/qwen4090"}
+    assert "-/var/lib/qwen4090/models" in unitfile.values(text, "Service", "ReadOnlyPaths")
     assert s["OOMPolicy"] == "continue" and int(s["OOMScoreAdjust"]) < 0
     assert int(s["LimitNOFILE"]) >= 65536
     for mod in ("modprobe@nvidia.service", "modprobe@nvidia-uvm.service"):

