@@ -19,6 +19,8 @@ STATE: dict[str, Any] = {
     "reasons": 0, "ecc": (0, 0), "inits": 0,
     "count": 1,  # GPUs: handles (and NVML indices) 0 .. count-1
     "migs": {},  # MIG instance UUID -> the NVML index of the GPU that holds it
+    # the lent H200's driver (/work/shared/gpu/RESULTS.md): 580.159.04, CUDA 13.0
+    "driver": "580.159.04", "cuda_driver": 13000,
 }
 # Each GPU's UUID, by NVML index; a MIG instance's handle is MIG_HANDLE + its GPU's index.
 UUIDS = [f"GPU-{i}e6b2b1c-7d1a-4c3e-9f00-a1b2c3d4e5f{i}" for i in range(8)]
@@ -48,6 +50,18 @@ def nvmlInit() -> None:
 
 def nvmlShutdown() -> None:
     pass
+
+
+def nvmlSystemGetDriverVersion() -> str:
+    return str(STATE["driver"])
+
+
+def nvmlSystemGetCudaDriverVersion() -> int:
+    return int(STATE["cuda_driver"])
+
+
+def nvmlSystemGetCudaDriverVersion_v2() -> int:
+    return int(STATE["cuda_driver"])
 
 
 def nvmlDeviceGetCount() -> int:

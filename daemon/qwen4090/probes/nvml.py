@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from qwen4090.decide.cudacompat import DriverCuda
 from qwen4090.probes import nvml_binding
 
 # The binding: nvidia-ml-py's pynvml module (or vLLM's vendored copy of it); None = none found.
@@ -161,6 +162,28 @@ def _text(v: Any) -> str:
 def _name(h: Any) -> str:
     n = pynvml.nvmlDeviceGetName(h)
     return n.decode() if isinstance(n, bytes) else str(n)
+
+
+def driver_cuda() -> DriverCuda | str:
+    """The driver's version and the newest CUDA it supports (the preflight compares it with
+    the runtime's torch: decide/cudacompat.py); a str says why NVML cannot tell."""
+    why = init()
+    if why:
+        return why
+    # _v2 is the name newer bindings prefer; both answer 1000 x major + 10 x minor
+    getter = getattr(pynvml, "nvmlSystemGetCudaDriverVersion_v2", None) or \
+        getattr(pynvml, "nvmlSystemGetCudaDriverVersion", None)
+    if getter is None:
+        return "this NVML binding cannot ask the driver's CUDA version"
+    try:
+        cuda = int(getter())
+    except Exception as e:
+        return f"NVML CUDA version query failed: {_err(e)}"
+    try:
+        version = _text(pynvml.nvmlSystemGetDriverVersion())
+    except Exception:  # the CUDA version alone decides; the number is for the message
+        version = "?"
+    return DriverCuda(version, cuda)
 
 
 @dataclass(frozen=True)
