@@ -74,7 +74,7 @@ for unit in qwen4090.service qwen4090@gpu0.service qwen4090-nvidia-nodes.service
     echo "verify $unit: clean"
 done
 threshold=$(python3 -c "print(round(float('$SECURITY_MAX') * 10))")
-for unit in qwen4090.service qwen4090@gpu0.service; do
+for unit in qwen4090.service qwen4090@gpu0.service qwen4090-nvidia-nodes.service; do
     line=$(systemd-analyze security --offline=yes --root="$V" "/lib/systemd/system/$unit" 2>&1 | tail -n1)
     echo "$line"
     systemd-analyze security --offline=yes --root="$V" --threshold="$threshold" \

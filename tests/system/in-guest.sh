@@ -323,6 +323,8 @@ ConditionPathExists=
 ConditionPathExists=$FAKE/driver/nvidia/version
 [Service]
 Environment=QWEN4090_PROC=$FAKE
+# the stand-in's record (/run is read-only to the hardened unit: ProtectSystem=strict)
+ReadWritePaths=/run
 EOF
 rm -f /run/qwen4090-nvidia-modprobe.log /dev/nvidia-uvm /dev/nvidia-uvm-tools /dev/nvidiactl /dev/nvidia0
 systemctl daemon-reload
