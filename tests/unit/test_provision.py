@@ -11,6 +11,7 @@ import types
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -348,3 +349,44 @@ def test_system_site_packages_from_a_venv_interpreter_sees_that_venv(tmp_path: P
     assert str(site_dir) in inherit_parent_venv(str(parent / "bin" / "python"), child)
     out = subprocess.run(probe, capture_output=True, text=True)
     assert out.stdout.strip() == "42", out.stderr
+
+
+def test_runtimes_beyond_the_active_and_previous_are_pruned_unless_running(
+        tmp_path: Path) -> None:
+    # issue 31.7: every install-runtime left its runtime behind (gigabytes each)
+    venv = tmp_path / "venv"
+    proc = tmp_path / "proc"  # no process runs any of them
+    (proc / "self").mkdir(parents=True)
+    for v in ("0.30.0", "0.31.0"):
+        install_runtime(venv, "vllm", v, None, "/usr/bin/python3", runner=FakeRunner(),
+                        proc=proc)
+    first = next(n for n in runtimes(venv) if n.startswith("vllm-0.30.0-"))
+    msg = install_runtime(venv, "vllm", "0.32.0", None, "/usr/bin/python3",
+                          runner=FakeRunner(), proc=proc)
+    assert f"removed the older runtime(s) {first}" in msg
+    assert [n.split("-")[1] for n in runtimes(venv)] == ["0.31.0", "0.32.0"]
+    # one a live process still runs (its files mapped) stays, and the sentence says so
+    left = tmp_path / "venvs" / "vllm-0.29.0-20261201T000000Z"
+    (left / "bin").mkdir(parents=True)
+    (proc / "4242").mkdir()
+    real = Path(os.path.realpath(tmp_path / "venvs"))
+    (proc / "4242" / "maps").write_text(
+        f"7f00-7f01 r-xp 00000000 08:01 42 {real}/{left.name}/lib/libtorch.so\n")
+    msg = provision.prune_runtimes(venv, proc)
+    assert left.is_dir() and f"kept {left.name}: a running process uses it" in msg
+    (proc / "4242" / "maps").write_text("")  # it stopped
+    assert provision.prune_runtimes(venv, proc) == f"; removed the older runtime(s) {left.name}"
+    assert not left.exists() and len(runtimes(venv)) == 2
+    # a process whose maps cannot be read (another user's, without root): nothing goes
+    left.mkdir()
+    real_read = Path.read_text
+
+    def read_text(self: Path, *a: Any, **k: Any) -> str:
+        if self == proc / "4242" / "maps":
+            raise PermissionError(13, "Permission denied")
+        return real_read(self, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "read_text", read_text)
+        msg = provision.prune_runtimes(venv, proc)
+    assert left.is_dir() and "kept: cannot read" in msg and "as root" in msg

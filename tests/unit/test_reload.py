@@ -151,14 +151,17 @@ def test_reload_that_restarts_vllm_ends_with_ready_and_no_second_start_ready() -
 
 
 class Runtime(CheckedGpu):
-    """Launches that say which vLLM the venv held (launch.read_facts does, for real)."""
+    """Launches that say which vLLM the venv held, and where (launch.read_facts does, for
+    real)."""
 
-    def __init__(self, version: list[str]) -> None:
+    def __init__(self, version: list[str], where: list[str] | None = None) -> None:
         super().__init__()
         self.version = version
+        self.where = where or [""]
 
     def launch(self, cfg: Any, beside: Any = None, host: Any = None) -> Any:
-        return dataclasses.replace(super().launch(cfg, beside), runtime=self.version[0])
+        return dataclasses.replace(super().launch(cfg, beside), runtime=self.version[0],
+                                   runtime_dir=self.where[0])
 
 
 def test_a_reload_after_a_runtime_upgrade_restarts_vllm_on_it() -> None:
@@ -176,6 +179,36 @@ def test_a_reload_after_a_runtime_upgrade_restarts_vllm_on_it() -> None:
     h.run_until(State.READY)
     assert h.sup.launch.runtime == "vllm 0.27.0"
     assert h.sup.restarts.crashes.budget.count(h.clock.t) == 0  # not a failure
+
+
+def test_a_reload_after_a_reinstall_of_the_same_version_restarts_vllm_on_it() -> None:
+    # issue 31.7: `install-runtime --force` builds the same version in a new directory and
+    # points /opt/qwen4090/venv at it; the reload said changed=nothing and kept the old one
+    h = Harness()
+    version, where = ["vllm 0.32.0"], ["/opt/qwen4090/venvs/vllm-0.32.0-20261206T101010Z"]
+    h.sup.p.gpu = Runtime(version, where)
+    h.run_until(State.READY)
+    hup(h, cfg_with())
+    assert h.sup.state == State.READY  # nothing changed
+    where[0] = "/opt/qwen4090/venvs/vllm-0.32.0-20261206T111111Z"
+    hup(h, cfg_with())
+    assert h.sup.state == State.RESTARTING and h.failure.cause is Cause.RELOAD
+    assert h.failure.detail == ("vLLM runtime changed: vllm 0.32.0 now in "
+                                "/opt/qwen4090/venvs/vllm-0.32.0-20261206T111111Z (was "
+                                "/opt/qwen4090/venvs/vllm-0.32.0-20261206T101010Z)")
+    h.run_until(State.READY)
+    assert h.sup.launch.runtime_dir == where[0]
+
+
+def test_the_runtimes_directory_is_the_venvs_real_one(tmp_path: Any) -> None:
+    from qwen4090.launching import runtime
+    real = tmp_path / "venvs" / "vllm-0.32.0-1"
+    (real / "bin").mkdir(parents=True)
+    (real / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (tmp_path / "venv").symlink_to("venvs/vllm-0.32.0-1")
+    assert runtime.runtime_dir([str(tmp_path / "venv" / "bin" / "python"), "-m", "x"]) == \
+        str(real)
+    assert runtime.runtime_dir(["/usr/bin/vllm"]) == ""
 
 
 class Capped(CheckedGpu):

@@ -141,7 +141,8 @@ def previous_link(venv: Path) -> Path:
 
 def install_runtime(venv: Path, package: str, version: str, wheelhouse: Path | None,
                     python: str, pip_args: Sequence[str] = (), runner: Runner = _run,
-                    force: bool = False, system_site_packages: bool = False) -> str:
+                    force: bool = False, system_site_packages: bool = False,
+                    proc: Path = Path("/proc")) -> str:
     """Install package==version as a new runtime beside the others and make `venv` name it.
 
     `venv` is a symlink to a directory of ``venvs/`` beside it.  The new runtime is built in a
@@ -149,6 +150,7 @@ def install_runtime(venv: Path, package: str, version: str, wheelhouse: Path | N
     symlink renamed over the old one (atomic: a vLLM started meanwhile runs the old runtime or
     the new one, never a half-made one), and the runtime it named stays as ``venv.previous``
     (`--rollback`).  A runtime that fails is removed again, and `venv` is left as it was.
+    The runtimes beyond those two are removed, unless a process (``proc``'s maps) runs one.
     Returns what was done.
     """
     if wheelhouse is not None and not wheelhouse.is_dir():
@@ -174,8 +176,57 @@ def install_runtime(venv: Path, package: str, version: str, wheelhouse: Path | N
     before = switch_runtime(venv, new)
     kept = (f"; {before} stays as {previous_link(venv).name} (`qwen4090 install-runtime "
             "--rollback` goes back to it)" if before is not None else "")
-    return (f"installed {package} {version} into {new}, and {venv} now names it{kept}; "
-            "restart qwen4090 to run it")
+    return (f"installed {package} {version} into {new}, and {venv} now names it{kept}"
+            f"{prune_runtimes(venv, proc)}; `systemctl reload qwen4090` (or a restart) runs it")
+
+
+def runtimes_in_use(runtimes: Path, proc: Path = Path("/proc")) -> set[Path] | str:
+    """The runtimes under ``runtimes`` that a live process has files of mapped (a vLLM started
+    on one runs it until it stops, whatever /opt/qwen4090/venv names since); a str says why
+    that could not be told (another user's /proc/PID/maps needs root)."""
+    prefix = f"{runtimes}/"
+    used: set[Path] = set()
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            text = (d / "maps").read_text(errors="replace")
+        except PermissionError:
+            return f"cannot read {d / 'maps'} (run install-runtime as root)"
+        except OSError:  # the process is gone
+            continue
+        for line in text.splitlines():
+            at = line.find(prefix)
+            if at >= 0:
+                used.add(runtimes / line[at + len(prefix):].split("/", 1)[0])
+    return used
+
+
+def prune_runtimes(venv: Path, proc: Path = Path("/proc")) -> str:
+    """Remove the runtimes of ``venvs/`` beyond the active one, the previous one and any a
+    live process runs (issue 31.7: each is gigabytes, and none was ever removed); what was
+    done, as a clause of install-runtime's sentence ("" when nothing)."""
+    runtimes = Path(os.path.realpath(venv.parent / RUNTIMES_DIR))
+    if not runtimes.is_dir():
+        return ""
+    keep = {Path(os.path.realpath(link)) for link in (venv, previous_link(venv))
+            if link.is_symlink()}
+    used = runtimes_in_use(runtimes, proc)
+    if isinstance(used, str):
+        return f"; older runtimes in {runtimes} kept: {used}"
+    gone, busy = [], []
+    for d in sorted(runtimes.iterdir()):
+        if d in keep or not d.is_dir() or d.is_symlink():
+            continue
+        if d in used:
+            busy.append(d.name)
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        gone.append(d.name)
+    out = f"; removed the older runtime(s) {', '.join(gone)}" if gone else ""
+    if busy:
+        out += f"; kept {', '.join(busy)}: a running process uses it (the next install removes it)"
+    return out
 
 
 def _build_runtime(new: Path, package: str, version: str, wheelhouse: Path | None, python: str,
@@ -275,7 +326,7 @@ def rollback_runtime(venv: Path) -> str:
     else:
         prev.unlink()
         kept = ""
-    return f"{venv} names {back} again{kept}; restart qwen4090 to run it"
+    return f"{venv} names {back} again{kept}; `systemctl reload qwen4090` (or a restart) runs it"
 
 
 def add_install_args(p: argparse.ArgumentParser) -> None:

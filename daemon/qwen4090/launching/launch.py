@@ -57,6 +57,7 @@ class Facts:
     learned: Mapping[str, Any] = field(default_factory=dict)  # learned.json
     kv_budget: Mapping[str, Any] = field(default_factory=dict)  # kv_budget.json
     runtime: str = ""  # "vllm 0.26.0" of vllm.command's venv (the KV budget belongs to it)
+    runtime_dir: str = ""  # that venv's real directory (runtime.runtime_dir)
     # the host's memory (plan.host_memory): restart.standby = "auto" and a sleeping standby's
     # account; a str says why it is not known
     host: HostMemory | str = "no host facts"
@@ -86,7 +87,8 @@ def read_facts(cfg: Config, env: Mapping[str, str], gpu: GpuMemory | str | None 
         host = plan.host_memory()
     state = learned.state_dir(cfg, env)
     kv = kvbudget.KvBudget(state).read() if cfg.restart.fixed_kv_budget else {}
-    return Facts(gpu, model, learned.LearnedStore(state).read(), kv, runtime_of(cfg), host)
+    return Facts(gpu, model, learned.LearnedStore(state).read(), kv, runtime_of(cfg),
+                 runtime_dir=runtime.runtime_dir(cfg.vllm.command), host=host)
 
 
 def runtime_of(cfg: Config) -> str:
@@ -153,8 +155,8 @@ def resolve(cfg: Config, facts: Facts, beside: Endpoint | None = None) -> Launch
     return Launch(config=chosen, argv=argv, engine=engine, settings=settings, gpu=facts.gpu,
                   fingerprint=fp, kv_base=kv_base, plan=the_plan, no_plan=no_plan,
                   learned=tuple(notes), kv_budget=n, kv_note=kv_note, runtime=facts.runtime,
-                  host=facts.host, standby_configured=cfg.restart.standby,
-                  standby_why=standby_why)
+                  runtime_dir=facts.runtime_dir, host=facts.host,
+                  standby_configured=cfg.restart.standby, standby_why=standby_why)
 
 
 SLEEP_FLAG = "--enable-sleep-mode"

@@ -63,6 +63,9 @@ class Launch:
     kv_budget: int | None = None  # --kv-cache-memory-bytes given to this launch
     kv_note: str | None = None  # the budget given, or why the remembered one was not
     runtime: str = ""  # "vllm 0.26.0": what vllm.command's venv held at the launch
+    # ... and the directory that venv was (install-runtime switches a symlink: a reinstall of
+    # the same version is another runtime, issue 31.7)
+    runtime_dir: str = ""
     # the host's memory it was resolved on (a standby beside it, and a reload's comparison,
     # are resolved on the same: auto's choice changes only at a serving engine's launch)
     host: HostMemory | str = "no host facts"

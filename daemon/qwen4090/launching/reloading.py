@@ -36,15 +36,19 @@ def refused(old: Config, new: Config) -> str:
                      and (old.front.enabled or not k.startswith("vllm.")))
 
 
-def relaunch_reason(was: Launch, nxt: Launch, runtime_was: str | None) -> str:
+def relaunch_reason(was: Launch, nxt: Launch, serving: Launch) -> str:
     """The one rule of what a reload restarts: vLLM restarts iff its next launch differs from
     the serving one.  Its command line and environment are compared as the old and the new
     config would launch now (``was``, ``nxt``: the GPU part's resolver), on the same facts
     (learned limits, the KV budget, the GPU, the host's memory of the serving launch), so that
     only the config's change counts; the runtime in vllm.command's venv against the one the
-    serving engine started on (``runtime_was``: install-runtime switched it, behind the front a
-    blip, issue 20.6).  "" when none."""
-    if runtime_was and nxt.runtime and nxt.runtime != runtime_was:
-        return f"vLLM runtime changed: {runtime_was} -> {nxt.runtime}"
+    serving engine started on (``serving``: install-runtime switched it, behind the front a
+    blip, issue 20.6), by its version and by its directory (``install-runtime --force`` of the
+    same version is a new runtime; reload said "nothing" to it, issue 31.7).  "" when none."""
+    if serving.runtime and nxt.runtime and nxt.runtime != serving.runtime:
+        return f"vLLM runtime changed: {serving.runtime} -> {nxt.runtime}"
+    if serving.runtime_dir and nxt.runtime_dir and nxt.runtime_dir != serving.runtime_dir:
+        return (f"vLLM runtime changed: {nxt.runtime or 'vLLM'} now in {nxt.runtime_dir} "
+                f"(was {serving.runtime_dir})")
     changes = relaunch_changes(was, nxt)
     return f"vLLM's launch changed: {changes}" if changes else ""

@@ -11,6 +11,7 @@ version and that pure module, so all of them can.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,6 +40,13 @@ def venv_of(command: Sequence[str]) -> Path | None:
         return None
     venv = exe.parent.parent
     return venv if (venv / "pyvenv.cfg").is_file() else None
+
+
+def runtime_dir(command: Sequence[str]) -> str:
+    """The real directory of vllm.command's venv ("" when it has none): /opt/qwen4090/venv is
+    a symlink that install-runtime points at a new runtime, a reinstall of one version too."""
+    venv = venv_of(command)
+    return os.path.realpath(venv) if venv is not None else ""
 
 
 def runtime_version(venv: Path) -> tuple[str, str] | None:

@@ -229,7 +229,7 @@ class Supervisor:
         self.log.info("reloaded", changed=",".join(changed) or "nothing",
                       files=",".join(new.sources))
         self.tell.emit(Reloaded(tuple(changed)))
-        why = reloading.relaunch_reason(was, nxt, self.launch.runtime)
+        why = reloading.relaunch_reason(was, nxt, self.launch)
         if why and self.state in states.CHILD_STATES:
             self.log.warning("restart_for_reload", reason=why,
                              old_argv_len=len(old.vllm.command))
