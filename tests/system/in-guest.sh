@@ -171,8 +171,8 @@ check "$U is in the GPU device groups video and render ($(id -nG $U))" \
     sh -c "id -nG $U | grep -qw video && id -nG $U | grep -qw render"
 check "tmpfiles made /var/lib/qwen4090 and /var/cache/qwen4090 owned by $U" \
     sh -c "[ \$(stat -c %U /var/lib/qwen4090) = $U ] && [ \$(stat -c %U /var/cache/qwen4090) = $U ]"
-check "/etc/qwen4090/qwen4090.toml is a conffile" \
-    sh -c "dpkg-query -W -f='\${Conffiles}' qwen4090 | grep -q /etc/qwen4090/qwen4090.toml"
+check "/etc/qwen4090/qwen4090.toml was made from the template, and is not a conffile (no upgrade asks about it)" \
+    sh -c "cmp -s /etc/qwen4090/qwen4090.toml /usr/share/qwen4090/qwen4090.toml && ! dpkg-query -W -f='\${Conffiles}' qwen4090 | grep -q /etc/qwen4090/qwen4090.toml"
 # Not enabled: before a model exists an enabled unit failed (78) at every boot (issue 19.6).
 check "the install did not enable the unit ($(systemctl is-enabled qwen4090))" \
     test "$(systemctl is-enabled qwen4090)" = disabled
@@ -1030,3 +1030,68 @@ umount /var/cache/qwen4090 /var/lib/qwen4090 2>/dev/null || true
 check "the models are kept: $(grep -m1 'kept the models' /tmp/purge.log)" \
     sh -c "[ -f $M/config.json ] && grep -q 'kept the models in /var/lib/qwen4090/models' /tmp/purge.log"
 check "unit file gone" sh -c '! [ -e /lib/systemd/system/qwen4090.service ]'
+
+echo "== upgrade from the previous release, unattended, with an edited config and old drop-ins (issue 31.3)"
+# The release before this one, built from its own commit (packaging/previous-release), installed
+# as a site had it: its shipped /etc/qwen4090/qwen4090.toml edited in place (README said so until
+# 0.3.0), a drop-in of the site's, and one with the 0.1.0/0.2.0-era ExecStartPre= line naming
+# the device-node helper where those releases kept it; serving, under load. Then the upgrade as
+# unattended-upgrades makes it: apt-get -y with no terminal, stdin at its end (a conffile
+# question is then "end of file on stdin at conffile prompt" and a half-configured package).
+PREV=/ci/qwen4090-prev.deb
+if [ "$VLLM_OK" != 1 ] || [ ! -f "$PREV" ]; then
+    if [ -f "$PREV" ]; then note "SKIPPED: the runtime does not run on this guest"
+    else note "SKIPPED: no previous release's .deb (its commit is not in a shallow clone)"; fi
+else
+ts=$(date +%s)
+if apt-get install -y -q "$PREV" </dev/null >/tmp/prev.log 2>&1; then
+    ok "the previous release $(dpkg-query -W -f='${Version}' qwen4090) installed ($(elapsed "$ts"))"
+else
+    cat /tmp/prev.log; abort "apt-get install the previous release"
+fi
+PV=$(dpkg-query -W -f='${Version}' qwen4090)
+sed -i "/^\[vllm\]/a model = \"$M\"\nserved_model_name = \"tiny\"\nport = $PORT\ndtype = \"float32\"\nmax_model_len = 2048\nmax_num_seqs = 8\nmax_num_batched_tokens = 2048\nenforce_eager = true\nextra_args = [\"--load-format\", \"dummy\"]\nenv = { VLLM_CPU_KVCACHE_SPACE = \"1\", HF_HUB_OFFLINE = \"1\" }" \
+    /etc/qwen4090/qwen4090.toml
+printf '\n[warmup]\nlengths = [1, 16]\nconcurrency = [1]\n' >>/etc/qwen4090/qwen4090.toml
+edited=$(md5sum </etc/qwen4090/qwen4090.toml)
+mkdir -p /etc/systemd/system/qwen4090.service.d
+printf '[Service]\nEnvironment=QWEN4090_SITE_DROPIN=1\n' >/etc/systemd/system/qwen4090.service.d/50-site.conf
+printf '[Service]\nExecStartPre=+/usr/lib/qwen4090/nvidia-device-nodes\n' \
+    >/etc/systemd/system/qwen4090.service.d/10-nodes.conf
+systemctl daemon-reload
+timeout 400 systemctl start qwen4090
+r=$(complete 4 "$KEY")
+check "$PV serves with its edited config and the drop-ins (state $(prop ActiveState); a request: $r)" \
+    test "$(prop ActiveState) $r" = "active 200 4"
+MAIN=$(prop MainPID)
+rm -f /tmp/load.stop; : >/tmp/load.out
+timeout 900 python3 /tmp/load.py "$PORT" "$KEY" 2 /tmp/load.stop /tmp/load.out &
+LOAD=$!
+wait_for 60 load_n_over 4
+ts=$(date +%s)
+apt-get install -y -q "$DEB" </dev/null >/tmp/upgrade31.log 2>&1; rc=$?
+NV=$(dpkg-query -W -f='${Version}' qwen4090)
+st=$(dpkg-query -W -f='${db:Status-Abbrev}' qwen4090 | tr -d ' ')
+check "unattended upgrade $PV -> $NV in $(elapsed "$ts"): rc $rc, dpkg state $st, no conffile question" \
+    sh -c "[ $rc = 0 ] && [ '$st' = ii ] && [ '$NV' != '$PV' ] && ! grep -q -e 'Configuration file' -e 'conffile prompt' /tmp/upgrade31.log"
+check "... the edited /etc/qwen4090/qwen4090.toml is kept as the site left it: $(grep -m1 'kept your' /tmp/upgrade31.log)" \
+    test "$(md5sum </etc/qwen4090/qwen4090.toml)" = "$edited"
+check "... and is no longer one of the package's conffiles" \
+    sh -c "! dpkg-query -W -f='\${Conffiles}' qwen4090 | grep /etc/qwen4090/qwen4090.toml | grep -vq obsolete"
+check "... the running service was not restarted by it (MainPID $MAIN)" test "$(prop MainPID)" = "$MAIN"
+ts=$(date +%s)
+timeout 400 systemctl restart qwen4090; rc=$?
+r=$(complete 4 "$KEY")
+check "systemctl restart onto $NV with the 0.1.0-era ExecStartPre= drop-in: rc $rc in $(elapsed "$ts"), $(prop ActiveState)/$(prop Result), a request: $r" \
+    test "$rc $(prop ActiveState) $r" = "0 active 200 4"
+check "... the site's drop-in reached the new supervisor (QWEN4090_SITE_DROPIN=1 in pid $(prop MainPID))" \
+    sh -c "tr '\\0' '\\n' </proc/$(prop MainPID)/environ | grep -qx QWEN4090_SITE_DROPIN=1"
+wait_for 60 load_n_over "$(( $(load_n) + 4 ))"
+touch /tmp/load.stop
+wait_for 200 sh -c "! kill -0 $LOAD 2>/dev/null"
+kill "$LOAD" 2>/dev/null; wait "$LOAD" 2>/dev/null
+outcomes=$(awk '{print $3}' /tmp/load.out | sort | uniq -c | awk '{printf "%s x%s ", $2, $1}')
+note "2 client loops through the upgrade and the restart: $(load_n) requests ($outcomes)"
+check "... none of them failed with an HTTP error (refusals of the closed port during the restart aside: issue 31.1)" \
+    test "$(awk '$3 !~ /^(200|ConnectionRefusedError|ConnectionResetError|RemoteDisconnected)$/' /tmp/load.out | wc -l)" = 0
+fi

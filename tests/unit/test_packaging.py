@@ -333,8 +333,12 @@ def test_examples_name_where_the_package_installs_them() -> None:
     """dh_installexamples puts them in /usr/share/doc/qwen4090/examples (issue 19.6)."""
     places = [*(ROOT / "packaging/examples").rglob("*"), DEBIAN / "README.Debian",
               ROOT / "packaging/man/qwen4090.8", ROOT / "docs/packaging.md"]
-    stale = [str(p) for p in places if p.is_file() and "/usr/share/qwen4090" in p.read_text()]
+    # (/usr/share/qwen4090/ holds one file: the config's template, issue 31.3)
+    stale = [str(p) for p in places if p.is_file()
+             and re.search(r"/usr/share/qwen4090(?!/qwen4090\.toml)", p.read_text())]
     assert stale == []
+    assert "etc/qwen4090/qwen4090.toml usr/share/qwen4090/" in \
+        (DEBIAN / "qwen4090.install").read_text().splitlines()
 
 
 def test_lintian_override_matches_debian_12_and_13_unit_paths() -> None:
@@ -413,12 +417,12 @@ def test_every_build_gets_a_version_that_orders(tmp_path: Path) -> None:
     assert seen == ["0.1.0"]  # the release commit, clean tree
     (repo / "code.py").write_text("1")
     seen.append(_build_version(repo))  # uncommitted: after its commit
-    assert re.fullmatch(r"0\.1\.0\+git\d{8}\.0\.[0-9a-f]{7}\.d\d+", seen[-1]), seen[-1]
+    assert re.fullmatch(r"0\.1\.0\+git\d{10}\.0\.[0-9a-f]{7}\.d\d+", seen[-1]), seen[-1]
     _git(repo, "add", "-A")
     _git(repo, "commit", "-q", "-m", "work")
     h = _git(repo, "rev-parse", "--short=7", "HEAD")
     seen.append(_build_version(repo))
-    assert re.fullmatch(rf"0\.1\.0\+git\d{{8}}\.1\.{h}", seen[-1]), seen[-1]
+    assert re.fullmatch(rf"0\.1\.0\+git\d{{10}}\.1\.{h}", seen[-1]), seen[-1]
     (repo / "code.py").write_text("2")
     _git(repo, "commit", "-q", "-am", "more work")
     seen.append(_build_version(repo))
@@ -448,6 +452,40 @@ def test_every_build_gets_a_version_that_orders(tmp_path: Path) -> None:
     r = subprocess.run(["sh", str(repo / "scripts/build-deb.sh"), "--print-version"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "pyproject.toml says 9.9.9" in r.stderr
+
+
+@pytest.mark.skipif(not (_TOOLS and SCRIPT.is_file()), reason="needs git, dpkg-dev, build-deb.sh")
+def test_a_shallow_clone_builds_a_version_after_a_full_clones_build_of_the_parent(
+        tmp_path: Path) -> None:
+    """Issue 31.3: `git clone --depth 1` counts one commit, where the full clone counts them
+    all: the commit's time orders the two, not the count."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "packaging/debian").mkdir(parents=True)
+    shutil.copy(SCRIPT, repo / "scripts/build-deb.sh")
+    (repo / "packaging/debian/changelog").write_text(_entry("0.3.0", "UNRELEASED"))
+    (repo / "pyproject.toml").write_text('[project]\nversion = "0.3.0"\n')
+    _git(repo, "init", "-q")
+    for n in range(1, 6):
+        (repo / "code.py").write_text(str(n))
+        _git(repo, "add", "-A")
+        date = f"2026-12-06T10:0{n}:00+0000"  # a minute apart
+        subprocess.run(["git", "-C", str(repo), "commit", "-q", "-m", f"work {n}"], check=True,
+                       env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@e.org",
+                            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@e.org",
+                            "GIT_COMMITTER_DATE": date, "GIT_AUTHOR_DATE": date})
+    head = _build_version(repo)
+    _git(repo, "checkout", "-q", "HEAD~1")
+    parent = _build_version(repo)
+    _git(repo, "checkout", "-q", "-")
+    shallow = tmp_path / "shallow"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{repo}", str(shallow)],
+                   check=True)
+    assert _git(shallow, "rev-parse", "--is-shallow-repository") == "true"
+    built = _build_version(shallow)
+    assert built != head  # it counts one commit, not five
+    assert _newer(built, parent), (built, parent)
+    assert re.fullmatch(r"0\.3\.0~git2612061005\.\d+\.[0-9a-f]{7}", built), built
 
 
 @pytest.mark.skipif(not (_TOOLS and SCRIPT.is_file()), reason="needs git, dpkg-dev, build-deb.sh")

@@ -1150,11 +1150,13 @@ SHIPPED_HEADER = """\
 # `man qwen4090.toml` for every key, its default and what it accepts; the full reference is
 # /usr/share/doc/qwen4090/examples/qwen4090.full.toml).
 #
-# Prefer a drop-in to editing this file: files in /etc/qwen4090/conf.d/*.toml are read after it
+# Your settings go into a drop-in: files in /etc/qwen4090/conf.d/*.toml are read after this one
 # in name order, table by table and key by key, later files win, e.g.
 #     /etc/qwen4090/conf.d/50-local.toml:   [vllm]
+#                                           model = "/var/lib/qwen4090/models/Qwen3-14B-AWQ"
 #                                           max_model_len = 8192
-# This file then stays as packaged and upgrades never ask about it.
+# This file is made once, at the first install, from /usr/share/qwen4090/qwen4090.toml; no
+# upgrade changes it or asks about it (an edited one is kept as it is).
 #
 # Check a change with `qwen4090 check-config`, apply it with `systemctl reload qwen4090`.
 """
@@ -1175,11 +1177,13 @@ def field_doc(dotted: str) -> str:
 
 
 def render_toml(cfg: Config | None = None) -> str:
-    """The shipped /etc/qwen4090/qwen4090.toml: a header and the keys every site decides.
+    """The template of /etc/qwen4090/qwen4090.toml (/usr/share/qwen4090/qwen4090.toml): a
+    header and the keys every site decides.
 
-    Short on purpose: a conffile that spells out every default changes whenever a default
-    does, and dpkg then asks each sysadmin who edited it.  Keys whose default suffices are
-    commented out; values that differ from the defaults (``cfg``) are set.
+    Short on purpose: it is copied once, at the first install, and never updated (it is not
+    a conffile since issue 31.3: an edited conffile made upgrades ask), so a site's file
+    should not spell out defaults that a later version changes.  Keys whose default suffices
+    are commented out; values that differ from the defaults (``cfg``) are set.
     """
     cfg = cfg or Config()
     values = as_dict(cfg)
