@@ -441,10 +441,14 @@ def test_status_says_why_auto_is_off(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_check_config_says_auto_is_chosen_at_each_start(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
     from qwen4090.commandline.cli import main
+    # where the package is installed (the autopkgtest) the qwen4090 user exists, and
+    # check-config as root would hold pytest's tmp_path against it (test_config.py does so too)
+    monkeypatch.setenv("QWEN4090_SERVICE_USER", "")
 
     model = tmp_path / "model"
     model.mkdir()

@@ -148,6 +148,8 @@ def test_restart_oom_and_limits(name: str) -> None:
     (post,) = unitfile.values(text, "Service", "ExecStopPost")
     assert post.startswith("-+/bin/sh -c ") and "reset-failed %n" in post
     assert '"$$SERVICE_RESULT" != success' in post
+    # issue 31.1: the client port's socket is kept by systemd across restarts (fdstore.py)
+    assert int(s["FileDescriptorStoreMax"]) >= 1 and s["NotifyAccess"] == "main"
     # issue 31.7: the runtime's and the models' mounts first; the models read-only
     assert set(u["RequiresMountsFor"].split()) == {"/opt/qwen4090", "/var/lib/qwen4090"}
     assert "-/var/lib/qwen4090/models" in unitfile.values(text, "Service", "ReadOnlyPaths")

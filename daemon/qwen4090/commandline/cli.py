@@ -14,13 +14,13 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from qwen4090 import __version__
-from qwen4090.base import fdlimit, logs
+from qwen4090.base import fdlimit, fdstore, logs
 from qwen4090.base.events import Event, Listener, Reloaded
 from qwen4090.base.notify import Notifier
 from qwen4090.base.redact import safe_error
@@ -181,11 +181,16 @@ def serve(args: argparse.Namespace, wake: signals.Wakeup, pending: deque[int]) -
         return EX_CONFIG
     child.become_subreaper()
     notifier = Notifier(on_error=lambda msg: log.warning("notify_failed", error=msg))
+    # What systemd kept for us across a restart: the client port (fdstore.py, issue 31.1).
+    kept = fdstore.passed(os.environ)
     # The client port first: a client that comes while vLLM starts waits instead of being
     # refused (issue 20).
     try:
         door = open_front(cfg, log, notifier.extend_timeout,
-                          stopping=lambda: any(s in signals.STOPS for s in pending))
+                          stopping=lambda: any(s in signals.STOPS for s in pending),
+                          kept=kept.take(fdstore.CLIENT))
+        if names := kept.close_rest():
+            log.info("fd_store_unknown", names=",".join(names))
     except ConfigError as e:  # the API key the front checks: unreadable or unusable
         log.error("config_error", error=str(e))
         inst.close(group_gone=True)
@@ -263,23 +268,58 @@ def serve_with(args: argparse.Namespace, cfg: Config, log: LogLike, inst: instan
 FRONT_BIND_RETRY = 1.0  # seconds between tries to bind the client port while it is taken
 
 
+def keep_client_port(door: front.Front, inherited: bool, env: Mapping[str, str],
+                     log: LogLike) -> None:
+    """The client port's socket into systemd's store (fdstore.py), so that it listens on
+    through a restart or a death of this process; said once in the journal."""
+    port = _host_port_of(door.listen)
+    if inherited:
+        log.info("client_port_kept", port=port, by="systemd's file descriptor store")
+        return
+    fds = door.listening_fds()
+    if len(fds) != 1:
+        log.info("client_port_not_stored", port=port,
+                 reason=f"{len(fds)} listening sockets (one per address of vllm.host)")
+        return
+    err = fdstore.send(env, fdstore.store_message(), fds)
+    if err:
+        log.warning("client_port_not_stored", port=port, reason=err,
+                    hint="the unit needs FileDescriptorStoreMax= (the shipped one has it)")
+    elif err is None:
+        log.info("client_port_stored", port=port)
+
+
+def _host_port_of(at: tuple[str, int]) -> str:
+    return f"[{at[0]}]:{at[1]}" if ":" in at[0] else f"{at[0]}:{at[1]}"
+
+
 def open_front(cfg: Config, log: LogLike, extend: Callable[[float], object],
-               stopping: Callable[[], bool], sleep: Callable[[float], None] = time.sleep
+               stopping: Callable[[], bool], sleep: Callable[[float], None] = time.sleep,
+               kept: list[int] | None = None, env: Mapping[str, str] | None = None
                ) -> FrontLike | None:
     """The front on vllm.host:vllm.port (front.enabled), or NoFront; None when the port stayed
     taken for restart.port_wait (said in the journal with who holds it) or a stop came;
-    ConfigError when the API key it must check cannot be read."""
+    ConfigError when the API key it must check cannot be read.  ``kept``: the client port's
+    socket as systemd's store kept it (fdstore.py): used when it listens where the config
+    says, else closed and taken out of the store; a port bound anew is put into it."""
+    env = os.environ if env is None else env
+    v = cfg.vllm
+    sock, why = (None, "the front is off (front.enabled = false)") if not cfg.front.enabled \
+        else fdstore.client_socket(kept or [], v.host, v.port)
+    if kept and sock is None:  # systemd must let go of it: vLLM or the new port needs it
+        fdstore.send(env, fdstore.remove_message())
+        log.info("client_port_released", reason=why)
     if not cfg.front.enabled:
         return NoFront()
-    v = cfg.vllm
     at = launchvalue.engine_endpoint(cfg)
     door = front.Front((v.host, v.port), (at.host, at.port),
-                       front_limits(cfg), log, key=child.read_api_key(v, os.environ))
+                       front_limits(cfg), log, key=child.read_api_key(v, os.environ), sock=sock)
     until = time.monotonic() + cfg.restart.port_wait
     said = False
     while True:
         try:
             door.start()
+            keep_client_port(door, sock is not None, env, log)
             return door
         except OSError as e:
             holder = instance.port_holders(v.host, v.port)

@@ -43,6 +43,7 @@ import dataclasses
 import itertools
 import json
 import math
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -170,8 +171,11 @@ class Front:
 
     def __init__(self, listen: tuple[str, int], engine: tuple[str, int], limits: Limits,
                  log: Any, key: str | None = None, clock: Callable[[], float] = time.monotonic,
-                 engine_up: bool = False) -> None:
+                 engine_up: bool = False, sock: socket.socket | None = None) -> None:
         self.listen, self.engine = listen, engine
+        # the client port's listening socket as systemd kept it (fdstore.py): accepted on as
+        # it is, never bound again (None: bind ``listen``)
+        self._given = sock
         # changed on the front's loop only (configure()); read anywhere: replaced whole
         self.limits = limits
         self._key = key  # the API key every path but clientpath.PUBLIC needs (None: no key)
@@ -214,7 +218,7 @@ class Front:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
-        self._listener: asyncio.AbstractServer | None = None
+        self._listener: asyncio.Server | None = None
         self._session: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None  # a new connection for each request
 
@@ -266,6 +270,11 @@ class Front:
                              hint="the process's file limit (LimitNOFILE=) leaves room for "
                                   "fewer client connections: raise it to have them")
 
+    def listening_fds(self) -> list[int]:
+        """The file descriptors of the client port's listening sockets (one per address)."""
+        server = self._listener
+        return [s.fileno() for s in server.sockets] if server is not None else []
+
     def stop(self, timeout: float = 5.0) -> None:
         loop, thread = self._loop, self._thread
         if loop is None or thread is None or not thread.is_alive():
@@ -302,9 +311,13 @@ class Front:
         # nothing more, and TCPSite.stop() of aiohttp 3.8 (Debian 12's) also shuts the open
         # connections down, cutting a request whose body is still on its way.
         assert self._runner.server is not None
-        self._listener = await loop.create_server(
-            self._doors.protocol(self._runner.server), self.listen[0], self.listen[1],
-            reuse_address=True, backlog=1024)
+        if self._given is not None:  # systemd kept it: connections may be waiting already
+            self._listener = await loop.create_server(
+                self._doors.protocol(self._runner.server), sock=self._given, backlog=1024)
+        else:
+            self._listener = await loop.create_server(
+                self._doors.protocol(self._runner.server), self.listen[0], self.listen[1],
+                reuse_address=True, backlog=1024)
         self._sweeper = loop.create_task(self._sweep())
 
     async def _sweep(self) -> None:
