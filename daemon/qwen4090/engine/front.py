@@ -473,11 +473,7 @@ class Front:
     async def _admit(self, request: web.Request) -> web.StreamResponse:
         """The checks before any work, cheapest first: the target (one decision on the form
         that is forwarded), the key, room to hold; then the body, within its bounds."""
-        # Draining, the engine still serves: a request on a connection accepted before the drain
-        # is served and counted (the drain waits for it) -- under systemd the port's socket
-        # lives on for the next supervisor, and a 503 here was the one failure of a
-        # `systemctl restart` under load (issue 31.1). Without an engine it is refused.
-        if self._refusing is not None or (self._draining and not self._open):
+        if self._draining or self._refusing is not None:
             return self._refuse(request)
         route = clientpath.decide(request.method, request.raw_path)
         if isinstance(route, clientpath.Refusal):
