@@ -788,6 +788,20 @@ timeout 600 python3 /tmp/load.py "$PORT" "$KEY" $LOADERS /tmp/load.stop /tmp/loa
 LOAD=$!
 load_n() { wc -l </tmp/load.out; }
 load_n_over() { [ "$(load_n)" -ge "$1" ]; }
+load_begin() { # load_begin KEY: 2 client loops through :$PORT, in the background ($LOAD)
+    rm -f /tmp/load.stop; : >/tmp/load.out
+    timeout 900 python3 /tmp/load.py "$PORT" "$1" 2 /tmp/load.stop /tmp/load.out &
+    LOAD=$!
+    wait_for 60 load_n_over 4
+}
+load_end() { # load_end: a few more answers, then the loops stop; $outcomes counts them
+    local n; n=$(load_n)
+    wait_for 60 load_n_over $((n + 4))
+    touch /tmp/load.stop
+    wait_for 300 sh -c "! kill -0 $LOAD 2>/dev/null"
+    kill "$LOAD" 2>/dev/null; wait "$LOAD" 2>/dev/null
+    outcomes=$(awk '{print $3}' /tmp/load.out | sort | uniq -c | awk '{printf "%s x%s ", $2, $1}')
+}
 wait_for 60 load_n_over $((LOADERS * 2))
 note "load before the kill: $(load_n) requests answered"
 c=$(cursor)
@@ -825,20 +839,12 @@ echo "== systemctl restart under load: the client port never closes (issue 31.1)
 check "the journal says the client port was stored ($(journal_since "" | grep -m1 -e '^client_port_stored' -e '^client_port_kept' | cut -c1-80))" \
     sh -c 'journalctl -u qwen4090 -b -o cat --no-pager | grep -q -e "^client_port_stored" -e "^client_port_kept"'
 c=$(cursor)
-rm -f /tmp/load.stop; : >/tmp/load.out
-timeout 900 python3 /tmp/load.py "$PORT" "$KEY" 2 /tmp/load.stop /tmp/load.out &
-LOAD=$!
-wait_for 60 load_n_over 4
+load_begin "$KEY"
 MAIN=$(prop MainPID)
 ts=$(date +%s)
 timeout 400 systemctl restart qwen4090; rc=$?
 dt=$(elapsed "$ts")
-n=$(load_n)
-wait_for 60 load_n_over $((n + 4))
-touch /tmp/load.stop
-wait_for 300 sh -c "! kill -0 $LOAD 2>/dev/null"
-kill "$LOAD" 2>/dev/null; wait "$LOAD" 2>/dev/null
-outcomes=$(awk '{print $3}' /tmp/load.out | sort | uniq -c | awk '{printf "%s x%s ", $2, $1}')
+load_end
 longest=$(awk 'BEGIN {m = 0} $4 > m {m = $4} END {print m}' /tmp/load.out)
 check "systemctl restart (rc $rc, $dt, MainPID $MAIN -> $(prop MainPID)) under 2 client loops: $(load_n) requests, none refused ($outcomes; longest wait ${longest} s)" \
     sh -c "[ $rc = 0 ] && [ '$(prop MainPID)' != '$MAIN' ] && ! grep -q ConnectionRefusedError /tmp/load.out"
@@ -854,10 +860,7 @@ nodes0=$(uprop $N ConditionTimestampMonotonic)
 n0=$(prop NRestarts)
 note "processes of $U before: $OLD"
 c=$(cursor)
-rm -f /tmp/load.stop; : >/tmp/load.out
-timeout 900 python3 /tmp/load.py "$PORT" "$KEY" 2 /tmp/load.stop /tmp/load.out &
-LOAD=$!
-wait_for 60 load_n_over 4
+load_begin "$KEY"
 ts=$(date +%s)
 systemctl kill --signal=SIGKILL --kill-who=main qwen4090
 wait_for 60 restarts_not "$n0"
@@ -874,12 +877,7 @@ check "active (READY) again $(elapsed "$ts") after the kill: $(prop StatusText)"
     test "$(prop ActiveState)" = active
 r=$(complete 4 "$KEY")
 check "serves again ($r)" test "$r" = "200 4"
-n=$(load_n)
-wait_for 60 load_n_over $((n + 4))
-touch /tmp/load.stop
-wait_for 300 sh -c "! kill -0 $LOAD 2>/dev/null"
-kill "$LOAD" 2>/dev/null; wait "$LOAD" 2>/dev/null
-outcomes=$(awk '{print $3}' /tmp/load.out | sort | uniq -c | awk '{printf "%s x%s ", $2, $1}')
+load_end
 # what the killed process was answering dies with it (its vLLM too: issue 31.2 would keep it);
 # what comes after waits for the next one
 check "2 client loops through the kill, systemd's RestartSec and the new start: none refused ($outcomes)" \
@@ -1112,10 +1110,7 @@ r=$(complete 4 "$KEY")
 check "$PV serves with its edited config and the drop-ins (state $(prop ActiveState); a request: $r)" \
     test "$(prop ActiveState) $r" = "active 200 4"
 MAIN=$(prop MainPID)
-rm -f /tmp/load.stop; : >/tmp/load.out
-timeout 900 python3 /tmp/load.py "$PORT" "$KEY" 2 /tmp/load.stop /tmp/load.out &
-LOAD=$!
-wait_for 60 load_n_over 4
+load_begin "$KEY"
 ts=$(date +%s)
 apt-get install -y -q "$DEB" </dev/null >/tmp/upgrade31.log 2>&1; rc=$?
 NV=$(dpkg-query -W -f='${Version}' qwen4090)
@@ -1134,11 +1129,7 @@ check "systemctl restart onto $NV with the 0.1.0-era ExecStartPre= drop-in: rc $
     test "$rc $(prop ActiveState) $r" = "0 active 200 4"
 check "... the site's drop-in reached the new supervisor (QWEN4090_SITE_DROPIN=1 in pid $(prop MainPID))" \
     sh -c "tr '\\0' '\\n' </proc/$(prop MainPID)/environ | grep -qx QWEN4090_SITE_DROPIN=1"
-wait_for 60 load_n_over "$(( $(load_n) + 4 ))"
-touch /tmp/load.stop
-wait_for 200 sh -c "! kill -0 $LOAD 2>/dev/null"
-kill "$LOAD" 2>/dev/null; wait "$LOAD" 2>/dev/null
-outcomes=$(awk '{print $3}' /tmp/load.out | sort | uniq -c | awk '{printf "%s x%s ", $2, $1}')
+load_end
 note "2 client loops through the upgrade and the restart: $(load_n) requests ($outcomes)"
 # (0.2.0 had neither the front nor the file descriptor store: its own stop refuses and fails
 # requests, as it did then; what is checked is that the clients are served after it)
