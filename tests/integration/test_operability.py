@@ -238,6 +238,17 @@ def test_no_access_line_is_relogged_and_the_front_says_each_request_at_debug(
     # issue 31.6: vLLM's access lines behind the front name only 127.0.0.1 and cost journald a
     # line each: the probes' are dropped, the users' go at debug (log.vllm_level here: info);
     # the front's own "request" line names the client (log.level here: debug)
+    daemon.wait_state("ready", 600)
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.vllm_port,  # type: ignore[attr-defined]
+                                      timeout=120)
+    try:  # a request of this test's own: the module's others may not have run (-k)
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}),
+            {"Content-Type": "application/json"})
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
+    daemon.wait_event("request", 30, path="/v1/completions")
     with daemon.lock:
         events = list(daemon.events)
     access = [str(ev.get("event")) for ev in events if " HTTP/1.1\" " in str(ev.get("event"))]
